@@ -1,0 +1,81 @@
+"""Static-shape KV cache and the cached forward pass.
+
+Per layer the cache holds keys and values `[B, S, K, E]`; `lengths[b]` says how many leading
+positions of row b hold valid full-model entries. A block of T tokens always runs at positions
+`lengths[b] .. lengths[b] + T - 1` of its row. Entries at or past `lengths` are stale: they are
+masked out and overwritten later, so speculative rejections need no rollback.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from s3d_jax.config import ModelConfig
+from s3d_jax.model import run_layers
+
+
+@flax.struct.dataclass
+class KVCache:
+    keys: tuple  # per layer [B, S, K, E]
+    values: tuple  # per layer [B, S, K, E]
+    lengths: jax.Array  # [B] int32
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, max_len: int) -> KVCache:
+        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+        layers = range(config.num_layers)
+        return cls(
+            keys=tuple(jnp.zeros(shape, config.jnp_dtype) for _ in layers),
+            values=tuple(jnp.zeros(shape, config.jnp_dtype) for _ in layers),
+            lengths=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[1]
+
+    def block_positions(self, block_len: int) -> jax.Array:
+        return self.lengths[:, None] + jnp.arange(block_len)[None, :]
+
+    def write(self, layers: Sequence[int], block_kvs) -> KVCache:
+        """Stores each layer's block keys and values at positions `lengths ..` of its row."""
+        put = jax.vmap(lambda buf, block, at: jax.lax.dynamic_update_slice_in_dim(buf, block, at, axis=0))
+        keys, values = list(self.keys), list(self.values)
+        for layer, (k, v) in zip(layers, block_kvs, strict=True):
+            keys[layer] = put(keys[layer], k.astype(keys[layer].dtype), self.lengths)
+            values[layer] = put(values[layer], v.astype(values[layer].dtype), self.lengths)
+        return self.replace(keys=tuple(keys), values=tuple(values))
+
+
+def attention_masks(lengths_B, block_len: int, max_len: int, sliding_window: int | None):
+    """Masks for a block at `lengths ..`: the cached context `[B, T, S]` and the block `[B, T, T]`."""
+    t = jnp.arange(block_len)
+    q_pos_BT = lengths_B[:, None] + t[None, :]
+    s = jnp.arange(max_len)
+    context_BTS = jnp.broadcast_to(s[None, None, :] < lengths_B[:, None, None], (len(lengths_B), block_len, max_len))
+    block_TT = t[:, None] >= t[None, :]
+    if sliding_window is not None:
+        context_BTS = context_BTS & (q_pos_BT[:, :, None] - s[None, None, :] < sliding_window)
+        block_TT = block_TT & (t[:, None] - t[None, :] < sliding_window)
+    return context_BTS, jnp.broadcast_to(block_TT, (len(lengths_B), block_len, block_len))
+
+
+def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], write: bool):
+    """Runs `tokens` through `layers` against the cache; returns (final hidden states, cache).
+
+    With `write`, the block's keys and values are stored; `cache.lengths` never moves here:
+    the caller advances it by however many tokens it keeps.
+    """
+    T = tokens_BT.shape[1]
+    context_mask, block_mask = attention_masks(cache.lengths, T, cache.max_len, config.sliding_window)
+    contexts = [(cache.keys[i], cache.values[i]) for i in layers]
+    hidden, block_kvs = run_layers(
+        params, config, tokens_BT, cache.block_positions(T), contexts, context_mask, block_mask, layers
+    )
+    if write:
+        cache = cache.write(layers, block_kvs)
+    return hidden, cache

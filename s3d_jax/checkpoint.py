@@ -1,0 +1,144 @@
+"""The converted-model format: a directory with the config, an orbax params checkpoint and the tokenizer.
+
+    OUT/s3d_config.json   ModelConfig
+    OUT/params/           orbax StandardCheckpointer tree
+    OUT/tokenizer.json …  Hugging Face tokenizer files (optional)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from s3d_jax.config import ConfigError, ModelConfig
+from s3d_jax.model import abstract_params
+
+CONFIG_FILE = "s3d_config.json"
+PARAMS_DIR = "params"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt, or does not match its config."""
+
+
+@dataclasses.dataclass
+class Model:
+    """What `s3d_jax.load` returns: params, config and (if known) the tokenizer."""
+
+    params: Any
+    config: ModelConfig
+    tokenizer: Any = None
+
+
+def save(path: str | os.PathLike, params, config: ModelConfig, tokenizer=None) -> Path:
+    path = Path(path).absolute()
+    check_params(params, config)
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / PARAMS_DIR).exists():
+        shutil.rmtree(path / PARAMS_DIR)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path / PARAMS_DIR, params)
+    (path / CONFIG_FILE).write_text(config.to_json())
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no converted model at {path}: it is not a directory (convert one with tools/convert_hf.py)")
+    if not (path / CONFIG_FILE).exists():
+        raise CheckpointError(f"{path} is not an s3d_jax model: {CONFIG_FILE} is missing (convert with tools/convert_hf.py)")
+    try:
+        return ModelConfig.from_json((path / CONFIG_FILE).read_text())
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path / CONFIG_FILE} is not a valid model config: {e}") from None
+
+
+def load(path: str | os.PathLike, dtype: str | None = None) -> Model:
+    path = Path(path).absolute()
+    config = load_config(path)
+    expected = abstract_params(config)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            stored = ckptr.metadata(path / PARAMS_DIR)
+            stored = getattr(stored, "item_metadata", stored)
+            _check_tree(stored, expected, path)
+            params = ckptr.restore(path / PARAMS_DIR, expected)
+    except CheckpointError:
+        raise
+    except Exception as e:  # orbax and tensorstore raise many types for unreadable files.
+        raise CheckpointError(f"cannot read the params checkpoint at {path / PARAMS_DIR}: {type(e).__name__}: {e}") from None
+    if dtype is not None and dtype != config.dtype:
+        config = config.replace(dtype=dtype)
+        params = jax.tree.map(lambda x: x.astype(config.jnp_dtype), params)
+    return Model(params, config, load_tokenizer(path))
+
+
+def load_tokenizer(path: Path):
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def check_params(params, config: ModelConfig) -> None:
+    """Raises CheckpointError naming the first parameter whose shape or dtype disagrees with the config."""
+    _check_tree(params, abstract_params(config), "params")
+
+
+def _check_tree(actual, expected, where) -> None:
+    flat_actual = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(actual)}
+    flat_expected = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(expected)}
+    missing = sorted(set(flat_expected) - set(flat_actual))
+    extra = sorted(set(flat_actual) - set(flat_expected))
+    if missing or extra:
+        raise CheckpointError(
+            f"{where} does not match the model config: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
+    for name, want in flat_expected.items():
+        got = flat_actual[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise CheckpointError(f"{where}: parameter {name} has shape {tuple(got.shape)}, the config implies {tuple(want.shape)}")
+        if np.dtype(got.dtype) != np.dtype(want.dtype):
+            raise CheckpointError(f"{where}: parameter {name} has dtype {got.dtype}, the config says {want.dtype}")
+
+
+def default_model_dir() -> Path:
+    root = os.environ.get("S3D_JAX_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "s3d_jax"
+    return Path(root) / "SmolLM2-135M-Instruct"
+
+
+def load_default(dtype: str | None = None) -> Model:
+    """The bundled SmolLM2-135M-Instruct, converted from its GGUF on first use and cached."""
+    target = default_model_dir()
+    if not (target / CONFIG_FILE).exists():
+        from s3d_jax.convert import bundled_gguf_path, convert
+
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        convert(bundled_gguf_path(), tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return load(target, dtype)
+
+
+def resolve(model) -> Model:
+    """Accepts a Model, a path, or None (the bundled default)."""
+    if isinstance(model, Model):
+        return model
+    if model is None:
+        return load_default()
+    if isinstance(model, (str, os.PathLike)):
+        return load(model)
+    raise ConfigError(f"expected a Model from s3d_jax.load, a path, or None; got {type(model).__name__}")
