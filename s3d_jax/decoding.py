@@ -1,0 +1,174 @@
+"""The decode loop: a jitted prefill, then one jitted `jax.lax.while_loop` of speculative iterations.
+
+Both functions are compiled ahead of time per shape bucket, so their compile time is measured apart
+from decoding, and a second prompt in the same bucket reuses the executables. The loop state,
+cache included, is donated: the cache is updated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from s3d_jax.cache import KVCache, cached_forward
+from s3d_jax.config import ModelConfig
+from s3d_jax.sampling import choose
+from s3d_jax.speculative import Plan, accept, draft, head_logits, verify
+
+
+@flax.struct.dataclass
+class DecodeState:
+    tokens: jax.Array  # [B, L] the prompt, then generated tokens; x_n = tokens[b, cache.lengths[b]]
+    cache: KVCache  # full-model keys/values of positions [0, n)
+    prompt_lengths: jax.Array  # [B]
+    num_generated: jax.Array  # [B]
+    done: jax.Array  # [B] bool
+    max_new_tokens: jax.Array  # [B]
+    eos_ids: jax.Array  # [E]
+    rng: jax.Array
+    iteration: jax.Array  # [] iterations run so far
+    accept_histogram: jax.Array  # [B, γ+1]: iterations of each row that accepted k drafts
+
+
+def _is_eos(tokens, eos_ids):
+    return jnp.any(tokens[..., None] == eos_ids, axis=-1)
+
+
+def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng, *, config: ModelConfig, plan: Plan, max_len: int):
+    """Runs the padded prompts through the full model and picks each row's first new token."""
+    B, P = prompts_BP.shape
+    cache = KVCache.zeros(config, B, max_len)
+    hidden, cache = cached_forward(params, config, cache, prompts_BP, config.all_layers, write=True)
+    last_hidden = jnp.take_along_axis(hidden, (prompt_lengths_B - 1)[:, None, None], axis=1)
+    rng, first_rng = jax.random.split(rng)
+    first = choose(first_rng, head_logits(params, config, last_hidden)[:, 0], plan.sampling)
+    tokens = jnp.zeros((B, max_len), jnp.int32).at[:, :P].set(prompts_BP)
+    tokens = tokens.at[jnp.arange(B), prompt_lengths_B].set(first)
+    return DecodeState(
+        tokens=tokens,
+        cache=cache.replace(lengths=prompt_lengths_B),
+        prompt_lengths=prompt_lengths_B,
+        num_generated=jnp.ones((B,), jnp.int32),
+        done=_is_eos(first, eos_ids) | (max_new_tokens_B <= 1),
+        max_new_tokens=max_new_tokens_B,
+        eos_ids=eos_ids,
+        rng=rng,
+        iteration=jnp.zeros((), jnp.int32),
+        accept_histogram=jnp.zeros((B, plan.gamma + 1), jnp.int32),
+    )
+
+
+def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> DecodeState:
+    """One draft-verify-accept iteration for every row; finished rows are left unchanged."""
+    B, G = state.tokens.shape[0], plan.gamma
+    n = state.cache.lengths
+    x_n = jnp.take_along_axis(state.tokens, n[:, None], axis=1)[:, 0]
+    rng, draft_rng, accept_rng = jax.random.split(state.rng, 3)
+    drafts, draft_logits, cache = draft(params, config, plan, state.cache, x_n, draft_rng)
+    target_logits, cache = verify(params, config, cache, x_n, drafts)
+    k, emitted = accept(accept_rng, drafts, draft_logits, target_logits, plan.sampling)
+
+    # Keep the emitted tokens up to and including the first EOS, within max_new_tokens.
+    j = jnp.arange(G + 1)[None, :]
+    eos_at = jnp.where(_is_eos(emitted, state.eos_ids) & (j <= k[:, None]), j, G + 1)
+    first_eos = jnp.min(eos_at, axis=1)
+    room = state.max_new_tokens - state.num_generated
+    count = jnp.where(state.done, 0, jnp.minimum(jnp.minimum(k + 1, first_eos + 1), room))
+
+    write_at = n + 1
+    old = jax.vmap(lambda row, at: jax.lax.dynamic_slice_in_dim(row, at, G + 1))(state.tokens, write_at)
+    new = jnp.where(j < count[:, None], emitted, old)
+    tokens = jax.vmap(lambda row, block, at: jax.lax.dynamic_update_slice_in_dim(row, block, at, 0))(
+        state.tokens, new, write_at
+    )
+    num_generated = state.num_generated + count
+    active = ~state.done
+    return state.replace(
+        tokens=tokens,
+        cache=cache.replace(lengths=n + count),
+        num_generated=num_generated,
+        done=state.done | (first_eos < count) | (num_generated >= state.max_new_tokens),
+        rng=rng,
+        iteration=state.iteration + 1,
+        accept_histogram=state.accept_histogram.at[jnp.arange(B), k].add(active.astype(jnp.int32)),
+    )
+
+
+def advance(params, state: DecodeState, stop_iteration, *, config: ModelConfig, plan: Plan) -> DecodeState:
+    """Iterates until every row is done or `stop_iteration` iterations have run in total."""
+    return jax.lax.while_loop(
+        lambda s: ~jnp.all(s.done) & (s.iteration < stop_iteration),
+        lambda s: iterate(params, config, plan, s),
+        state,
+    )
+
+
+_prefill_jit = jax.jit(prefill, static_argnames=("config", "plan", "max_len"))
+_advance_jit = jax.jit(advance, static_argnames=("config", "plan"), donate_argnames="state")
+
+
+_executables: dict = {}
+
+
+def compiled(fn, *args, **statics):
+    """`fn` compiled ahead of time for the shapes of `args` (cached); returns (executable, compile seconds)."""
+    leaves, treedef = jax.tree.flatten(args)
+    shapes = tuple((tuple(x.shape), x.dtype) for x in leaves)
+    key = (fn, tuple(sorted(statics.items())), treedef, shapes)
+    if key in _executables:
+        return _executables[key], 0.0
+    start = time.perf_counter()
+    _executables[key] = fn.lower(*args, **statics).compile()
+    return _executables[key], time.perf_counter() - start
+
+
+def compile_count() -> int:
+    """How many executables the decode engine has compiled so far (for compile-once checks)."""
+    return len(_executables)
+
+
+@dataclasses.dataclass
+class Run:
+    """A prepared decode: static plan, padded prompts and sizes; `compile` builds its two executables."""
+
+    params: object
+    config: ModelConfig
+    plan: Plan
+    prompts: np.ndarray  # [B, P_bucket]
+    prompt_lengths: np.ndarray  # [B]
+    max_new_tokens: int
+    eos_ids: tuple[int, ...]
+    seed: int
+    max_len: int
+    compile_seconds: float = 0.0
+
+    def _prefill_args(self):
+        return (
+            self.params,
+            jnp.asarray(self.prompts, jnp.int32),
+            jnp.asarray(self.prompt_lengths, jnp.int32),
+            jnp.full((len(self.prompts),), self.max_new_tokens, jnp.int32),
+            jnp.asarray(self.eos_ids or (-1,), jnp.int32),
+            jax.random.key(self.seed),
+        )
+
+    def compile(self) -> None:
+        statics = dict(config=self.config, plan=self.plan)
+        args = self._prefill_args()
+        self._prefill, prefill_seconds = compiled(_prefill_jit, *args, **statics, max_len=self.max_len)
+        state = jax.eval_shape(functools.partial(prefill, **statics, max_len=self.max_len), *args)
+        stop = jax.ShapeDtypeStruct((), jnp.int32)
+        self._advance, advance_seconds = compiled(_advance_jit, self.params, state, stop, **statics)
+        self.compile_seconds = prefill_seconds + advance_seconds
+
+    def start(self) -> DecodeState:
+        return self._prefill(*self._prefill_args())
+
+    def advance(self, state: DecodeState, stop_iteration: int) -> DecodeState:
+        return self._advance(self.params, state, jnp.asarray(stop_iteration, jnp.int32))

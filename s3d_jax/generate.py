@@ -1,0 +1,71 @@
+"""Command line: `python -m s3d_jax.generate --prompt "..." [--chat] [--method s3d|ar|selfspec]`.
+
+Streams the continuation as the jitted loop produces it (in chunks of iterations, not per token),
+then prints the decoding statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from s3d_jax.api import DecodeOutput, load, stream
+from s3d_jax.speculative import METHODS
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m s3d_jax.generate", description=__doc__.splitlines()[0])
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--model", default=None, help="converted model directory (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--method", choices=METHODS, default="s3d")
+    p.add_argument("--gamma", type=int, default=None, help="draft tokens per iteration (default: checkpoint's, else 4)")
+    p.add_argument("--skip", type=int, nargs=2, metavar=("L", "H"), default=None, help="inclusive range of skipped layers")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    p.add_argument("--chunk", type=int, default=4, help="iterations between streamed updates")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        model = load(args.model, dtype=args.dtype)
+        chunks = stream(
+            model,
+            args.prompt,
+            chat=args.chat,
+            method=args.method,
+            gamma=args.gamma,
+            skip=tuple(args.skip) if args.skip else None,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            chunk_iterations=args.chunk,
+        )
+        shown = ""
+        for chunk in chunks:
+            if isinstance(chunk, DecodeOutput):
+                text = chunk.text if chunk.text is not None else " ".join(map(str, chunk.tokens))
+            else:
+                text = model.tokenizer.decode(chunk[0], skip_special_tokens=True) if model.tokenizer else ""
+            if text.startswith(shown):
+                sys.stdout.write(text[len(shown) :])
+                sys.stdout.flush()
+                shown = text
+        print()
+        print(f"[{chunk.stats.summary()}]", file=sys.stderr)
+    except ValueError as e:  # ConfigError and CheckpointError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Turning logits into tokens: greedy, temperature, top-k and top-p, applied the same way to the
+draft's and the verifier's distributions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from s3d_jax.model import NEG_INF
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Static sampling settings; `temperature == 0` is greedy decoding."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 keeps every token
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def suppress(logits, token_id: int | None):
+    """Forces one token's logit (the S3D mask token) to -inf so it is never produced."""
+    return logits if token_id is None else logits.at[..., token_id].set(NEG_INF)
+
+
+def log_probs(logits, sampling: Sampling):
+    """Log-probabilities after temperature, top-k and top-p (removed tokens get -inf)."""
+    logits = logits.astype(jnp.float32) / sampling.temperature
+    if sampling.top_k:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, NEG_INF, logits)
+    if sampling.top_p < 1.0:
+        sorted_desc = -jnp.sort(-logits, axis=-1)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        cutoff = jnp.min(jnp.where(mass_before < sampling.top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, NEG_INF, logits)
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def choose(rng, logits, sampling: Sampling):
+    """One token per distribution: argmax when greedy, else a sample."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(rng, log_probs(logits, sampling), axis=-1).astype(jnp.int32)

@@ -1,0 +1,109 @@
+"""Drafting and verification: one speculative iteration, as method.md states it.
+
+The cache holds full-model keys and values for positions `[0, n)`; `x_n` is known but not cached.
+  draft   propose `d_1 .. d_γ` from the draft layers (all layers outside the skip range)
+  verify  run `[x_n, d_1 .. d_γ]` through every layer, writing positions `n .. n+γ`
+  accept  keep the longest agreeing prefix `d_1 .. d_k` plus one token from the verifier
+
+Methods, one engine:
+  ar        γ = 0: no draft, the verifier alone is plain autoregressive decoding
+  s3d       one draft pass over `[x_n, <M> × (γ-1)]` that attends to the cache and does not write it
+  selfspec  γ draft passes of one token each (Draft & Verify); they write draft-layer entries
+            at positions `n ..`, which are stale and which verification overwrites
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from s3d_jax.cache import KVCache, cached_forward
+from s3d_jax.config import ModelConfig
+from s3d_jax.model import lm_logits
+from s3d_jax.sampling import Sampling, choose, log_probs, suppress
+
+METHODS = ("ar", "s3d", "selfspec")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static description of how one iteration drafts and samples."""
+
+    method: str
+    gamma: int
+    draft_layers: tuple[int, ...]
+    sampling: Sampling
+
+
+def head_logits(params, config: ModelConfig, hidden_BTD):
+    """Float32 logits with the mask token suppressed: it is never produced."""
+    return suppress(lm_logits(params, config, hidden_BTD), config.mask_token_id)
+
+
+def draft_s3d(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng):
+    B = x_n_B.shape[0]
+    masks = jnp.full((B, plan.gamma - 1), config.mask_token_id, jnp.int32)
+    block = jnp.concatenate([x_n_B[:, None], masks], axis=1)
+    hidden, _ = cached_forward(params, config, cache, block, plan.draft_layers, write=False)
+    logits = head_logits(params, config, hidden)
+    return choose(rng, logits, plan.sampling), logits, cache
+
+
+def draft_selfspec(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng):
+    n = cache.lengths
+    token, drafts, logits = x_n_B, [], []
+    for j, step_rng in enumerate(jax.random.split(rng, plan.gamma)):
+        hidden, cache = cached_forward(
+            params, config, cache.replace(lengths=n + j), token[:, None], plan.draft_layers, write=True
+        )
+        step_logits = head_logits(params, config, hidden)
+        token = choose(step_rng, step_logits[:, 0], plan.sampling)
+        drafts.append(token)
+        logits.append(step_logits)
+    return jnp.stack(drafts, axis=1), jnp.concatenate(logits, axis=1), cache.replace(lengths=n)
+
+
+def draft(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng):
+    """Returns `(drafts [B, γ], draft logits [B, γ, V], cache)`."""
+    if plan.method == "ar":
+        B = x_n_B.shape[0]
+        return jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, config.vocab_size), jnp.float32), cache
+    fn = {"s3d": draft_s3d, "selfspec": draft_selfspec}[plan.method]
+    return fn(params, config, plan, cache, x_n_B, rng)
+
+
+def verify(params, config: ModelConfig, cache: KVCache, x_n_B, drafts_BG):
+    """Full-model logits `[B, γ+1, V]` for `[x_n, d_1 .. d_γ]`, writing their cache entries."""
+    block = jnp.concatenate([x_n_B[:, None], drafts_BG], axis=1)
+    hidden, cache = cached_forward(params, config, cache, block, config.all_layers, write=True)
+    return head_logits(params, config, hidden), cache
+
+
+def accept(rng, drafts_BG, draft_logits_BGV, target_logits_BTV, sampling: Sampling):
+    """Returns `(k [B], emitted [B, γ+1])`: `emitted[:, :k]` are the accepted drafts, `emitted[:, k]`
+    the verifier's token. Greedy keeps drafts equal to the verifier's argmax; sampling is lossless
+    (accept with min(1, p/q), resample the first rejection from norm(max(0, p - q)))."""
+    B, G = drafts_BG.shape
+    if sampling.greedy:
+        target_BT = jnp.argmax(target_logits_BTV, axis=-1).astype(jnp.int32)
+        agree = drafts_BG == target_BT[:, :G]
+        k = jnp.sum(jnp.cumprod(agree, axis=1), axis=1)
+        return k, target_BT  # target equals the draft wherever the draft was accepted
+    accept_rng, resample_rng = jax.random.split(rng)
+    p_BTV = jnp.exp(log_probs(target_logits_BTV, sampling))
+    q_BGV = jnp.exp(log_probs(draft_logits_BGV, sampling))
+    p_drafts = jnp.take_along_axis(p_BTV[:, :G], drafts_BG[..., None], axis=-1)[..., 0]
+    q_drafts = jnp.take_along_axis(q_BGV, drafts_BG[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(accept_rng, (B, G))
+    k = jnp.sum(jnp.cumprod(u * q_drafts < p_drafts, axis=1), axis=1)
+    # After the last draft nothing was proposed, so the residual there is p itself.
+    q_padded = jnp.concatenate([q_BGV, jnp.zeros_like(p_BTV[:, :1])], axis=1)
+    p_k = jnp.take_along_axis(p_BTV, k[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(p_k - jnp.take_along_axis(q_padded, k[:, None, None], axis=1)[:, 0], 0.0)
+    residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_k)  # p == q up to rounding
+    final = jax.random.categorical(resample_rng, jnp.log(residual), axis=-1).astype(jnp.int32)
+    j = jnp.arange(G + 1)[None, :]
+    drafts_padded = jnp.concatenate([drafts_BG, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    return k, jnp.where(j < k[:, None], drafts_padded, final[:, None])
