@@ -133,7 +133,8 @@ def _refuse_unsupported(hf: dict[str, Any]) -> None:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type != "default":
         raise ConfigError(f"unsupported config field rope_scaling type {rope_type!r}: only plain RoPE is implemented")
-    partial = hf.get("partial_rotary_factor", 1.0)
+    # transformers 5 may keep partial_rotary_factor inside `rope_parameters` (Phi-3 does).
+    partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ConfigError(f"unsupported config field partial_rotary_factor={partial}: only full RoPE is implemented")
 

@@ -1,0 +1,512 @@
+"""Conversion from Hugging Face checkpoints and GGUF, checked against transformers' PyTorch models.
+
+Tolerances (float32 throughout unless stated): logits must match the reference to a max absolute
+error of 1e-4 * max|reference logit| ("relative error" below), for random tiny models and for the
+real SmolLM2. The bf16 conversion gets 5e-2 of max|reference|.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import s3d_jax  # noqa: E402
+from s3d_jax import checkpoint  # noqa: E402
+from s3d_jax.checkpoint import CheckpointError  # noqa: E402
+from s3d_jax.config import ConfigError, ModelConfig  # noqa: E402
+from s3d_jax.convert import add_mask_row, convert, main, mask_row_plan, read_source  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RTOL = 1e-4  # max |ours - reference| / max |reference|, float32
+VOCAB = 96
+
+
+def relative_error(got, ref) -> float:
+    return float(np.max(np.abs(np.asarray(got, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def random_hf_model(arch: str, *, heads=4, kv_heads=2, tied=False, theta=10000.0, layers=2, seed=0, **extra):
+    """A tiny random transformers model, weights scaled up from the 0.02 init so logits are far from flat."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
+
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
+    }[arch]
+    config = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rope_theta=theta,
+        tie_word_embeddings=tied,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(ids))).logits.float().numpy()
+
+
+def our_logits(out_dir, ids, vocab=None) -> np.ndarray:
+    logits = np.asarray(s3d_jax.logits(s3d_jax.load(out_dir), ids))
+    return logits if vocab is None else logits[..., :vocab]
+
+
+def random_ids(n=2, t=16, seed=1):
+    return np.random.default_rng(seed).integers(0, VOCAB, (n, t))
+
+
+def assert_parity(label, model, out_dir, ids, rtol=RTOL):
+    ref = hf_logits(model, ids)
+    err = relative_error(our_logits(out_dir, ids, ref.shape[-1]), ref)
+    print(f"\nPARITY {label}: max relative error {err:.2e} (tolerance {rtol:.0e})")
+    assert err < rtol, f"{label}: max relative error {err:.2e} >= {rtol:.0e}"
+    return err
+
+
+# --------------------------------------------------------------------------------------------
+# Random tiny models against transformers.
+
+CASES = {
+    "llama-mha-untied": dict(arch="llama", heads=4, kv_heads=4, tied=False, theta=10000.0),
+    "llama-gqa-tied": dict(arch="llama", heads=4, kv_heads=2, tied=True, theta=500000.0),
+    "llama-mqa-headdim32": dict(arch="llama", heads=8, kv_heads=1, tied=False, theta=10000.0, head_dim=32, layers=3),
+    "phi3-mha-untied": dict(arch="phi3", heads=4, kv_heads=4, tied=False, theta=10000.0),
+    "phi3-gqa-tied": dict(arch="phi3", heads=8, kv_heads=2, tied=True, theta=50000.0, layers=3),
+    "mistral-gqa-window": dict(arch="mistral", heads=4, kv_heads=2, tied=False, theta=10000.0, sliding_window=6),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_random_model_parity(case, tmp_path):
+    spec = dict(CASES[case])
+    model = random_hf_model(spec.pop("arch"), **spec)
+    model.save_pretrained(tmp_path / "hf")
+    out = convert(tmp_path / "hf", tmp_path / "out", progress=False)
+    assert_parity(case, model, out, random_ids())
+
+    loaded = s3d_jax.load(out)
+    c = loaded.config
+    assert c.rope_theta == spec["theta"]  # transformers 5 keeps theta in rope_parameters
+    assert (c.num_heads, c.num_kv_heads, c.tie_embeddings) == (spec["heads"], spec["kv_heads"], spec["tied"])
+    assert c.eos_token_ids == (2,)
+    # No tokenizer, so the mask token gets a new row: the mean embedding, and a zero logit column.
+    assert (c.vocab_size, c.mask_token_id) == (VOCAB + 1, VOCAB)
+    embed = np.asarray(loaded.params["embed"])
+    np.testing.assert_allclose(embed[VOCAB], embed[:VOCAB].mean(0), rtol=1e-5, atol=1e-6)
+    if not c.tie_embeddings:
+        assert not np.asarray(loaded.params["lm_head"])[:, VOCAB].any()
+
+
+def test_cli_converts(tmp_path):
+    model = random_hf_model("llama", heads=4, kv_heads=2)
+    model.save_pretrained(tmp_path / "hf")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "convert_hf.py"), str(tmp_path / "hf"), str(tmp_path / "out"), "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "llama" in result.stdout and "mask id 96" in result.stdout and str(tmp_path / "out") in result.stdout
+    assert_parity("cli", model, tmp_path / "out", random_ids())
+
+
+def test_sharded_safetensors(tmp_path):
+    model = random_hf_model("phi3", heads=4, kv_heads=2)
+    model.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+    assert_parity("sharded-safetensors", model, convert(tmp_path / "hf", tmp_path / "out", progress=False), random_ids())
+
+
+def save_torch_bin(model, where: Path, shards: int = 1):
+    """The pytorch_model.bin layout (transformers 5 only writes safetensors)."""
+    model.config.save_pretrained(where)
+    state = model.state_dict()  # a tied model's lm_head.weight is in here too
+    if shards == 1:
+        torch.save(state, where / "pytorch_model.bin")
+        return
+    names = list(state)
+    weight_map = {}
+    for k in range(shards):
+        file = f"pytorch_model-{k + 1:05d}-of-{shards:05d}.bin"
+        part = names[k::shards]
+        torch.save({n: state[n] for n in part}, where / file)
+        weight_map.update({n: file for n in part})
+    (where / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_pytorch_bin(tmp_path, shards):
+    model = random_hf_model("llama", heads=4, kv_heads=2, tied=True)
+    save_torch_bin(model, tmp_path / "hf", shards)
+    out = convert(tmp_path / "hf", tmp_path / "out", progress=False)
+    assert_parity(f"pytorch_model.bin x{shards}", model, out, random_ids())
+
+
+def test_pytorch_bin_without_torch(tmp_path, monkeypatch):
+    save_torch_bin(random_hf_model("llama"), tmp_path / "hf")
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    with pytest.raises(CheckpointError, match="pytorch_model.bin.*need torch"):
+        convert(tmp_path / "hf", tmp_path / "out", progress=False)
+
+
+def test_bfloat16_conversion(tmp_path):
+    model = random_hf_model("llama", heads=4, kv_heads=2)
+    model.save_pretrained(tmp_path / "hf")
+    out = convert(tmp_path / "hf", tmp_path / "out", dtype="bfloat16", progress=False)
+    loaded = s3d_jax.load(out)
+    assert loaded.config.dtype == "bfloat16"
+    for leaf in _leaves(loaded.params):
+        assert leaf.dtype == np.dtype("bfloat16")
+    assert_parity("bf16 params vs f32 reference", model, out, random_ids(), rtol=5e-2)
+
+
+def test_bfloat16_checkpoint_source(tmp_path):
+    """A bf16 safetensors checkpoint (numpy has no bf16) converts exactly to float32."""
+    model = random_hf_model("phi3", heads=4, kv_heads=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())  # the f32 reference holds exactly the bf16 weights
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    out = convert(tmp_path / "hf", tmp_path / "out", dtype="float32", progress=False)
+    assert_parity("bf16 checkpoint -> f32", model, out, random_ids())
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+# --------------------------------------------------------------------------------------------
+# The mask row.
+
+
+def test_mask_row_plan():
+    assert mask_row_plan(32064, 32011) == (32063, False)  # Phi-3: a padded row is reserved
+    assert mask_row_plan(49152, 49152) == (49152, True)  # SmolLM2: a row is appended
+    assert mask_row_plan(100, None) == (100, True)  # no tokenizer: append
+    assert mask_row_plan(100, 120) == (100, True)
+
+
+def test_add_mask_row_reserved_keeps_shapes():
+    config = ModelConfig("phi3", 10, 4, 8, 1, 2, 2, 2)
+    params = {"embed": np.ones((10, 4), np.float32), "lm_head": np.ones((4, 10), np.float32)}
+    new_params, new_config = add_mask_row(dict(params), config, tokenizer_size=7)
+    assert new_config.vocab_size == 10 and new_config.mask_token_id == 9
+    assert new_params["embed"].shape == (10, 4) and new_params["lm_head"].shape == (4, 10)
+
+
+def test_mask_row_reserved_with_small_tokenizer(tmp_path):
+    """Phi-3 pads its vocabulary past the tokenizer: the last padded row becomes the mask."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = random_hf_model("phi3", heads=4, kv_heads=2)
+    model.save_pretrained(tmp_path / "hf")
+    vocab = {f"w{i}": i for i in range(80)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w0", eos_token="w2").save_pretrained(tmp_path / "hf")
+
+    out = convert(tmp_path / "hf", tmp_path / "out", progress=False)
+    loaded = s3d_jax.load(out)
+    assert (loaded.config.vocab_size, loaded.config.mask_token_id) == (VOCAB, VOCAB - 1)
+    assert len(loaded.tokenizer) == 80
+    assert loaded.tokenizer("w5 w7").input_ids == [5, 7]
+    assert_parity("phi3 reserved mask row", model, out, random_ids())
+
+
+# --------------------------------------------------------------------------------------------
+# Bad inputs: each names the problem.
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    where = tmp_path_factory.mktemp("tiny") / "hf"
+    random_hf_model("llama", heads=4, kv_heads=2).save_pretrained(where)
+    return where
+
+
+@pytest.fixture
+def hf_copy(tiny_hf_dir, tmp_path):
+    return Path(shutil.copytree(tiny_hf_dir, tmp_path / "hf"))
+
+
+def edit_config(where: Path, **changes):
+    config = json.loads((where / "config.json").read_text())
+    config.update(changes)
+    (where / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(where: Path, edit):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(where / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, where / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_unknown_architecture(hf_copy, tmp_path):
+    edit_config(hf_copy, model_type="gpt2")
+    with pytest.raises(ConfigError, match="gpt2"):
+        convert(hf_copy, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling.*llama3"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+    ],
+)
+def test_unsupported_config_field(hf_copy, tmp_path, changes, match):
+    edit_config(hf_copy, **changes)
+    with pytest.raises(ConfigError, match=match):
+        convert(hf_copy, tmp_path / "out", progress=False)
+
+
+def test_rope_parameters_from_transformers5():
+    """transformers 5 configs keep rope theta and type in `rope_parameters`."""
+    from transformers import LlamaConfig, Phi3Config
+
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=12345.0).to_dict()
+    assert "rope_parameters" in hf and ModelConfig.from_hf(hf).rope_theta == 12345.0
+    hf = Phi3Config(hidden_size=64, num_attention_heads=4, rope_theta=5e4).to_dict()
+    assert ModelConfig.from_hf(hf).rope_theta == 5e4
+    hf = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ).to_dict()
+    with pytest.raises(ConfigError, match="llama3"):
+        ModelConfig.from_hf(hf)
+    hf = Phi3Config(hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.5).to_dict()
+    with pytest.raises(ConfigError, match="partial_rotary_factor"):
+        ModelConfig.from_hf(hf)
+
+
+def test_missing_weight_file(hf_copy, tmp_path):
+    (hf_copy / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no weights in .*model.safetensors"):
+        convert(hf_copy, tmp_path / "out", progress=False)
+
+
+def test_missing_config(hf_copy, tmp_path):
+    (hf_copy / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        convert(hf_copy, tmp_path / "out", progress=False)
+
+
+def test_missing_source(tmp_path):
+    with pytest.raises(CheckpointError, match="no model at"):
+        convert(tmp_path / "nowhere", tmp_path / "out", progress=False)
+
+
+def test_truncated_safetensors(hf_copy, tmp_path):
+    path = hf_copy / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        convert(hf_copy, tmp_path / "out", progress=False)
+
+
+def test_missing_shard(tmp_path):
+    random_hf_model("llama").save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=shard.name):
+        convert(tmp_path / "hf", tmp_path / "out", progress=False)
+
+
+def test_wrong_shape(hf_copy, tmp_path):
+    name = "model.layers.1.mlp.up_proj.weight"
+    edit_tensors(hf_copy, lambda t: t.update({name: t[name][:, :-1].copy()}))
+    with pytest.raises(CheckpointError, match=rf"{name} has shape \(96, 63\).*\(96, 64\)"):
+        convert(hf_copy, tmp_path / "out", progress=False)
+
+
+def test_missing_tensor(hf_copy, tmp_path):
+    edit_tensors(hf_copy, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing weight model\.layers\.1\.self_attn\.k_proj\.weight"):
+        convert(hf_copy, tmp_path / "out", progress=False)
+
+
+def test_unexpected_tensor(hf_copy, tmp_path):
+    name = "model.layers.0.self_attn.q_proj.bias"
+    edit_tensors(hf_copy, lambda t: t.update({name: np.zeros(64, np.float32)}))
+    with pytest.raises(CheckpointError, match=rf"unexpected tensor {name}"):
+        convert(hf_copy, tmp_path / "out", progress=False)
+
+
+def test_extra_layer(hf_copy, tmp_path):
+    name = "model.layers.2.input_layernorm.weight"
+    edit_tensors(hf_copy, lambda t: t.update({name: np.ones(64, np.float32)}))
+    with pytest.raises(CheckpointError, match=rf"unexpected tensor {name}.*2 layers"):
+        convert(hf_copy, tmp_path / "out", progress=False)
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(CheckpointError, match="bad.gguf"):
+        convert(bad, tmp_path / "out", progress=False)
+
+
+def test_non_llama_gguf(tmp_path):
+    import gguf
+
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match="GGUF architecture 'gpt2'"):
+        convert(path, tmp_path / "out", progress=False)
+
+
+def test_edited_layer_count_fails_to_load(tiny_hf_dir, tmp_path):
+    out = convert(tiny_hf_dir, tmp_path / "out", progress=False)
+    config = json.loads((out / "s3d_config.json").read_text())
+    config["num_layers"] = 3
+    (out / "s3d_config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="layer_2"):
+        checkpoint.load(out)
+
+
+def test_cli_error_exits_2(tmp_path, capsys):
+    assert main([str(tmp_path / "nowhere"), str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no model at") and "Traceback" not in err
+
+
+def test_cli_error_subprocess(hf_copy, tmp_path):
+    edit_config(hf_copy, model_type="gpt2")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "convert_hf.py"), str(hf_copy), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: unknown architecture model_type='gpt2'")
+    assert "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Real weights: SmolLM2-135M-Instruct from its GGUF.
+
+PROMPTS = [
+    "The capital of France is Paris. The capital of Germany is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+]
+
+
+@pytest.mark.slow
+def test_smollm2_logits(smollm2_dir, hf_smollm2):
+    model, tokenizer = hf_smollm2
+    loaded = s3d_jax.load(smollm2_dir)
+    c = loaded.config
+    assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.tie_embeddings) == ("llama", 30, 9, 3, True)
+    assert (c.vocab_size, c.mask_token_id) == (49153, 49152)  # appended mask row
+    assert c.eos_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    for prompt in PROMPTS:
+        ids = np.asarray([tokenizer(prompt).input_ids])
+        ref = hf_logits(model, ids)
+        got = np.asarray(s3d_jax.logits(loaded, ids))
+        err = relative_error(got[..., :49152], ref)  # the first 49152 logits are the original model's
+        print(f"\nPARITY smollm2 {prompt[:20]!r}: max relative error {err:.2e}")
+        assert err < RTOL
+    ids = np.asarray([tokenizer(PROMPTS[0]).input_ids])
+    assert tokenizer.decode(int(np.asarray(s3d_jax.logits(loaded, ids))[0, -1].argmax())) == " Berlin"
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer(smollm2_dir, hf_smollm2):
+    _, reference = hf_smollm2
+    loaded = s3d_jax.load(smollm2_dir).tokenizer
+    assert loaded is not None and len(loaded) == len(reference) == 49152
+    for text in PROMPTS + ["Hello, world!  Ünïcödé 日本語 <|im_start|>user\nhi<|im_end|>", " leading space\ttab"]:
+        assert loaded(text).input_ids == reference(text).input_ids, text
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in text
+    assert text == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.slow
+def test_smollm2_mask_row(smollm2_dir):
+    loaded = s3d_jax.load(smollm2_dir)
+    embed = np.asarray(loaded.params["embed"])
+    assert embed.shape == (49153, 576)
+    np.testing.assert_allclose(embed[49152], embed[:49152].mean(0), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_smollm2_in_phi3_layout(smollm2_gguf, smollm2_dir, tmp_path):
+    """SmolLM2's weights fused into Phi-3's qkv_proj / gate_up_proj give the same logits."""
+    from safetensors.numpy import save_file
+
+    source = read_source(smollm2_gguf)
+    t, cfg = source.tensors, source.config
+    fused = {}
+    for name in t:
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or ".mlp.up_proj." in name:
+            continue
+        if ".self_attn.q_proj." in name:
+            prefix = name.removesuffix("q_proj.weight")
+            fused[prefix + "qkv_proj.weight"] = np.concatenate(
+                [t[name], t[prefix + "k_proj.weight"], t[prefix + "v_proj.weight"]]
+            )
+        elif ".mlp.gate_proj." in name:
+            prefix = name.removesuffix("gate_proj.weight")
+            fused[prefix + "gate_up_proj.weight"] = np.concatenate([t[name], t[prefix + "up_proj.weight"]])
+        else:
+            fused[name] = t[name]
+    hf_dir = tmp_path / "phi3"
+    hf_dir.mkdir()
+    save_file(fused, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    del fused
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}))
+
+    out = convert(hf_dir, tmp_path / "out", progress=False)
+    phi3 = s3d_jax.load(out)
+    assert phi3.config.architecture == "phi3" and phi3.config.mask_token_id == 49152
+    llama = s3d_jax.load(smollm2_dir)
+    ids = np.asarray([llama.tokenizer(p).input_ids[:12] for p in PROMPTS])
+    ref = np.asarray(s3d_jax.logits(llama, ids))
+    err = relative_error(s3d_jax.logits(phi3, ids), ref)
+    print(f"\nPARITY smollm2 phi3-layout vs llama-layout: max relative error {err:.2e}")
+    assert err < 1e-6
