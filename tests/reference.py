@@ -1,0 +1,93 @@
+"""Independent references for the tests: random tiny models and a plain float64 numpy forward pass."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from s3d_jax import Model, ModelConfig
+from s3d_jax.model import init_params
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    fields = dict(
+        architecture="llama",
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=96,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=12,
+        rope_theta=10000.0,
+        mask_token_id=95,
+        max_position_embeddings=512,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def tiny_model(seed: int = 0, scale: float = 4.0, **overrides) -> Model:
+    """A random model; weights scaled up from std 0.02 so its predictions are not near-uniform."""
+    config = tiny_config(**overrides)
+    params = init_params(config, jax.random.key(seed))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x if "scale" in jax.tree_util.keystr(path) else x * scale, params
+    )
+    return Model(params, config)
+
+
+def _rms(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def _rope(x_THE, positions, theta):
+    half = x_THE.shape[-1] // 2
+    inv_freq = 1.0 / theta ** (np.arange(half) / half)
+    angles = positions[:, None, None] * inv_freq[None, None, :]
+    x1, x2 = x_THE[..., :half], x_THE[..., half:]
+    return np.concatenate([x1 * np.cos(angles) - x2 * np.sin(angles), x2 * np.cos(angles) + x1 * np.sin(angles)], -1)
+
+
+def _layer(p, x_TD, c: ModelConfig):
+    T = x_TD.shape[0]
+    pos = np.arange(T, dtype=np.float64)
+    h = _rms(x_TD, p["attn_norm"]["scale"], c.rms_norm_eps)
+    q = _rope(np.einsum("td,dhe->the", h, p["attn"]["q"]), pos, c.rope_theta)
+    k = _rope(np.einsum("td,dke->tke", h, p["attn"]["k"]), pos, c.rope_theta)
+    v = np.einsum("td,dke->tke", h, p["attn"]["v"])
+    group = c.num_heads // c.num_kv_heads
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = np.einsum("the,she->hts", q, k) / np.sqrt(c.head_dim)
+    allowed = np.tril(np.ones((T, T), bool))
+    if c.sliding_window is not None:
+        allowed &= np.subtract.outer(np.arange(T), np.arange(T)) < c.sliding_window
+    scores = np.where(allowed, scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    x_TD = x_TD + np.einsum("hts,she,hed->td", probs, v, p["attn"]["o"])
+    h = _rms(x_TD, p["mlp_norm"]["scale"], c.rms_norm_eps)
+    gate = h @ p["mlp"]["gate"]
+    return x_TD + (gate / (1 + np.exp(-gate)) * (h @ p["mlp"]["up"])) @ p["mlp"]["down"]
+
+
+def numpy_logits(model: Model, tokens, layers=None, frozen_prefix: int = 0):
+    """Float64 logits of one sequence through `layers` (default: all).
+
+    With `frozen_prefix = n`, the first n positions enter every layer with the *full model's* hidden
+    states, so their keys and values are the full model's: the S3D draft pass, recomputed plainly.
+    """
+    c = model.config
+    params = jax.tree.map(lambda a: np.asarray(a, np.float64), model.params)
+    embed = params["embed"]
+    x = embed[np.asarray(tokens)]
+    full_inputs = [x]
+    for i in range(c.num_layers):
+        full_inputs.append(_layer(params[f"layer_{i}"], full_inputs[-1], c))
+    for i in c.all_layers if layers is None else layers:
+        x = x.copy()
+        x[:frozen_prefix] = full_inputs[i][:frozen_prefix]
+        x = _layer(params[f"layer_{i}"], x, c)
+    x = _rms(x, params["final_norm"]["scale"], c.rms_norm_eps)
+    head = embed.T if c.tie_embeddings else params["lm_head"]
+    return x @ head

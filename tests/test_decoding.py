@@ -1,0 +1,262 @@
+"""The cache, the decode loop and speculative decoding on random models (CPU, float32)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import numpy_logits, tiny_model
+
+import s3d_jax
+from s3d_jax import decoding
+from s3d_jax.cache import KVCache, cached_forward
+from s3d_jax.model import lm_logits
+from s3d_jax.speculative import Plan, draft_s3d
+from s3d_jax.sampling import Sampling
+
+
+def random_prompts(lengths, vocab=95, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=1)
+
+
+# ------------------------------------------------------------------ cache
+
+
+def test_cached_decoding_equals_recomputation(model):
+    """Prefill then one token at a time through the cache gives the logits of a full recompute."""
+    tokens = np.asarray(random_prompts([14])[0])
+    cache = KVCache.zeros(model.config, 1, 32)
+    hidden, cache = cached_forward(model.params, model.config, cache, jnp.asarray(tokens[None, :6]), model.config.all_layers, True)
+    steps = [lm_logits(model.params, model.config, hidden)]
+    cache = cache.replace(lengths=cache.lengths + 6)
+    for t in range(6, len(tokens)):
+        hidden, cache = cached_forward(model.params, model.config, cache, jnp.asarray(tokens[None, t : t + 1]), model.config.all_layers, True)
+        steps.append(lm_logits(model.params, model.config, hidden))
+        cache = cache.replace(lengths=cache.lengths + 1)
+    cached = np.concatenate([np.asarray(s)[0] for s in steps])
+    np.testing.assert_allclose(cached, numpy_logits(model, tokens), atol=1e-4)
+
+
+def test_batch_rows_do_not_disturb_each_other(model):
+    prompts = random_prompts([3, 11, 7], seed=2)
+    batch = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=12, eos_token_ids=())
+    for prompt, tokens in zip(prompts, batch.tokens):
+        alone = s3d_jax.decode(model, prompt, method="ar", max_new_tokens=12, eos_token_ids=())
+        assert alone.tokens == tokens
+
+
+def test_plain_greedy_matches_numpy_reference(model):
+    prompt = random_prompts([5], seed=3)[0]
+    out = s3d_jax.decode(model, prompt, method="ar", max_new_tokens=10, eos_token_ids=())
+    sequence = list(prompt)
+    for _ in range(10):
+        sequence.append(int(np.argmax(numpy_logits(model, sequence)[-1][: model.config.mask_token_id])))
+    assert out.tokens == sequence[len(prompt) :]
+
+
+# ------------------------------------------------------------------ exactness
+
+EXACTNESS_CASES = [
+    # (config overrides, method, gamma, skip, prompt lengths, max_new_tokens)
+    (dict(), "s3d", 1, (2, 3), [5], 24),
+    (dict(), "s3d", 2, (1, 4), [4, 9], 24),
+    (dict(), "s3d", 3, (2, 2), [1, 6, 13], 30),
+    (dict(), "s3d", 4, (0, 3), [8], 24),
+    (dict(), "s3d", 5, (3, 5), [2, 17], 24),
+    (dict(), "s3d", 6, (1, 4), [7, 7, 3, 12], 33),
+    (dict(num_kv_heads=4), "s3d", 3, (2, 3), [6, 2], 24),  # MHA
+    (dict(tie_embeddings=True, rope_theta=1e5), "s3d", 4, (1, 3), [5, 9], 24),
+    (dict(architecture="mistral", sliding_window=6), "s3d", 3, (2, 3), [10, 4], 24),
+    (dict(), "selfspec", 1, (2, 3), [5, 8], 24),
+    (dict(), "selfspec", 3, (1, 4), [3, 11, 6], 24),
+    (dict(), "selfspec", 6, (2, 2), [9], 30),
+]
+
+
+@pytest.mark.parametrize("overrides,method,gamma,skip,lengths,max_new", EXACTNESS_CASES)
+def test_greedy_speculative_equals_plain_greedy(overrides, method, gamma, skip, lengths, max_new):
+    model = tiny_model(seed=len(lengths) + gamma, **overrides)
+    prompts = random_prompts(lengths, seed=gamma)
+    plain = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=max_new, eos_token_ids=())
+    spec = s3d_jax.decode(model, prompts, method=method, gamma=gamma, skip=skip, max_new_tokens=max_new, eos_token_ids=())
+    assert spec.tokens == plain.tokens
+    assert all(len(t) == max_new for t in spec.tokens)
+    assert sum(spec.stats.iterations) <= sum(plain.stats.iterations)
+
+
+@pytest.mark.parametrize("method", ["s3d", "selfspec"])
+def test_eos_positions_stop_each_row_like_plain_greedy(model, method):
+    prompts = random_prompts([4, 9, 6], seed=5)
+    free = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=30, eos_token_ids=())
+    # Stop tokens picked so the rows stop at different depths (one row possibly never).
+    eos = (free.tokens[0][7], free.tokens[1][2])
+    plain = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=30, eos_token_ids=eos)
+    spec = s3d_jax.decode(model, prompts, method=method, gamma=4, skip=(2, 3), max_new_tokens=30, eos_token_ids=eos)
+    assert spec.tokens == plain.tokens
+    assert plain.tokens[0][-1] in eos and len(plain.tokens[0]) <= 8
+    assert plain.tokens[1][-1] in eos and len(plain.tokens[1]) <= 3
+
+
+def test_statistics_are_consistent(model):
+    out = s3d_jax.decode(model, random_prompts([6, 3]), method="s3d", gamma=3, skip=(2, 3), max_new_tokens=20, eos_token_ids=())
+    stats = out.stats
+    hist = np.asarray(stats.accept_histogram)
+    assert hist.shape == (2, 4) and hist.sum(axis=1).tolist() == stats.iterations
+    # The first token comes from the prefill; every iteration emits k + 1 (capped at the end).
+    emitted = (hist * np.arange(1, 5)).sum(axis=1)
+    assert np.all(emitted >= np.asarray(stats.generated_tokens) - 1)
+    assert 1.0 <= stats.tokens_per_iteration <= 4.0
+    assert len(stats.acceptance_per_depth) == 3
+
+
+# ------------------------------------------------------------------ draft
+
+
+@pytest.mark.parametrize("gamma,skip", [(1, (2, 3)), (3, (1, 4)), (5, (0, 2))])
+def test_draft_pass_equals_plain_recompute(model, gamma, skip):
+    """Draft logits at every depth equal a plain recompute of prefix + block through the draft
+    layers, with the prefix's keys and values taken from the full model."""
+    config = model.config
+    prefix = random_prompts([9], seed=gamma)[0]
+    x_n = 17
+    cache = KVCache.zeros(config, 1, 32)
+    _, cache = cached_forward(model.params, config, cache, jnp.asarray([prefix]), config.all_layers, True)
+    cache = cache.replace(lengths=jnp.asarray([len(prefix)]))
+    plan = Plan("s3d", gamma, config.draft_layers(skip), Sampling())
+    _, draft_logits, after = draft_s3d(model.params, config, plan, cache, jnp.asarray([x_n]), jax.random.key(0))
+    block = [x_n] + [config.mask_token_id] * (gamma - 1)
+    reference = numpy_logits(model, prefix + block, layers=config.draft_layers(skip), frozen_prefix=len(prefix))
+    got = np.asarray(draft_logits)[0, :, : config.mask_token_id]
+    np.testing.assert_allclose(got, reference[len(prefix) :, : config.mask_token_id], atol=1e-4)
+    # The draft does not write the cache.
+    for before, now in zip(cache.keys, after.keys):
+        assert np.array_equal(np.asarray(before), np.asarray(now))
+
+
+def test_mask_token_is_never_produced():
+    model = tiny_model(seed=4)
+    # Make the mask row's logit the largest everywhere: it must still never be chosen.
+    params = dict(model.params)
+    params["lm_head"] = params["lm_head"].at[:, model.config.mask_token_id].set(100.0)
+    model = s3d_jax.Model(params, model.config)
+    out = s3d_jax.decode(model, [1, 2, 3], method="s3d", gamma=3, skip=(2, 3), max_new_tokens=12, eos_token_ids=())
+    assert model.config.mask_token_id not in out.tokens
+
+
+# ------------------------------------------------------------------ sampling
+
+
+def _target_joint(model, prompt, sampling, depth=3):
+    """Exact distribution of the first `depth` sampled tokens under the target model."""
+    from s3d_jax.sampling import log_probs, suppress
+
+    V = model.config.vocab_size
+    joint = {(): 1.0}
+    for _ in range(depth):
+        prefixes = list(joint)
+        seqs = np.asarray([prompt + list(p) for p in prefixes])
+        logits = suppress(s3d_jax.logits(model, seqs)[:, -1], model.config.mask_token_id)
+        probs = np.exp(np.asarray(log_probs(logits, sampling), np.float64))
+        joint = {p + (t,): joint[p] * probs[i, t] for i, p in enumerate(prefixes) for t in range(V) if probs[i, t] > 0}
+    return joint
+
+
+@pytest.mark.parametrize(
+    "method,sampling",
+    [
+        ("s3d", dict(temperature=1.0)),
+        ("s3d", dict(temperature=0.8, top_k=4, top_p=0.9)),
+        ("selfspec", dict(temperature=1.0)),
+    ],
+)
+def test_speculative_sampling_is_lossless(method, sampling):
+    """The first generated tokens follow the target model's distribution (chi-squared, fixed seed)."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    model = tiny_model(seed=7, scale=10.0, vocab_size=6, mask_token_id=5)
+    prompt = [1, 3, 2]
+    n = 6000
+    out = s3d_jax.decode(model, [prompt] * n, method=method, gamma=2, skip=(2, 3), max_new_tokens=3, eos_token_ids=(), seed=11, **sampling)
+    target = _target_joint(model, prompt, s3d_jax.api.Sampling(**sampling))
+    counts = {}
+    for row in out.tokens:
+        counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    assert set(counts) <= set(target), "sampled a sequence the target gives zero probability"
+    # Pool rare cells so each expected count is >= 5.
+    cells = sorted(target, key=target.get, reverse=True)
+    observed, expected, rest_obs, rest_exp = [], [], 0, 0.0
+    for cell in cells:
+        if target[cell] * n >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(target[cell] * n)
+        else:
+            rest_obs += counts.get(cell, 0)
+            rest_exp += target[cell] * n
+    if rest_exp > 0:
+        observed.append(rest_obs)
+        expected.append(rest_exp)
+    p_value = scipy_stats.chisquare(observed, np.asarray(expected) * n / sum(expected)).pvalue
+    assert p_value > 1e-3, f"speculative samples differ from the target distribution (p={p_value:.2g})"
+    # Drafts were actually accepted, so the test exercised the acceptance rule.
+    assert out.stats.tokens_per_iteration > 1.0
+
+
+# ------------------------------------------------------------------ compilation
+
+
+def test_one_compile_per_bucket(model):
+    opts = dict(method="s3d", gamma=3, skip=(2, 3), max_new_tokens=16, eos_token_ids=())
+    s3d_jax.decode(model, random_prompts([5], seed=1)[0], **opts)
+    count = decoding.compile_count()
+    out = s3d_jax.decode(model, random_prompts([12], seed=9)[0], **opts)  # same 16-token bucket
+    assert decoding.compile_count() == count
+    assert out.stats.compile_seconds == 0.0
+    # The next prompt bucket compiles a new prefill; the loop state keeps its shape, so the loop is reused.
+    s3d_jax.decode(model, random_prompts([40], seed=9)[0], **opts)
+    assert decoding.compile_count() == count + 1
+
+
+def test_stream_yields_prefixes_of_the_result(model):
+    chunks = list(s3d_jax.stream(model, [4, 5, 6], method="s3d", gamma=2, skip=(2, 3), max_new_tokens=20, eos_token_ids=(), chunk_iterations=2))
+    final = chunks[-1]
+    assert len(chunks) > 2
+    for partial in chunks[:-1]:
+        assert final.tokens[: len(partial[0])] == partial[0]
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "prompt,options,message",
+    [
+        ([], {}, "empty prompt"),
+        ([[1, 2], []], {}, "empty prompt"),
+        ([1, 500], {}, "outside the vocabulary"),
+        ([1, -1], {}, "outside the vocabulary"),
+        ([1, 2], dict(max_new_tokens=600), "does not fit"),
+        ([1, 2], dict(max_new_tokens=100, max_len=64), "does not fit"),
+        ([1, 2], dict(gamma=0), "gamma must be >= 1"),
+        ([1, 2], dict(skip=(3, 9)), "outside the model"),
+        ([1, 2], dict(skip=(0, 5)), "leaves no draft layer"),
+        ([1, 2], dict(method="medusa"), "unknown method"),
+        ([1, 2], dict(max_new_tokens=0), "max_new_tokens"),
+        ([1, 2], dict(temperature=-1.0), "temperature"),
+        ([1, 2], dict(temperature=1.0, top_p=0.0), "top_p"),
+        ("hello", {}, "no tokenizer"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(model, prompt, options, message):
+    with pytest.raises(ValueError, match=message):
+        s3d_jax.decode(model, prompt, **options)
+
+
+def test_s3d_needs_a_mask_row():
+    model = tiny_model(mask_token_id=None)
+    with pytest.raises(ValueError, match="no mask token row"):
+        s3d_jax.decode(model, [1, 2], method="s3d")
+    assert s3d_jax.decode(model, [1, 2], method="selfspec", max_new_tokens=4).tokens
