@@ -72,7 +72,10 @@ def load(path: str | os.PathLike, dtype: str | None = None) -> Model:
             stored = ckptr.metadata(path / PARAMS_DIR)
             stored = getattr(stored, "item_metadata", stored)
             _check_tree(stored, expected, path)
-            params = ckptr.restore(path / PARAMS_DIR, expected)
+            # A sharding on the target makes orbax restore device arrays, not numpy copies.
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), expected)
+            params = ckptr.restore(path / PARAMS_DIR, target)
     except CheckpointError:
         raise
     except Exception as e:  # orbax and tensorstore raise many types for unreadable files.
