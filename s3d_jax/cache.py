@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from s3d_jax.config import ModelConfig
-from s3d_jax.model import run_layers
+from s3d_jax.model import run_layers, window_mask
 
 
 @flax.struct.dataclass
@@ -54,17 +54,14 @@ class KVCache:
 def attention_masks(lengths_B, block_len: int, max_len: int, sliding_window: int | None):
     """Masks for a block at `lengths ..`: the cached context `[B, T, S]` and the block `[B, T, T]`."""
     t = jnp.arange(block_len)
-    q_pos_BT = lengths_B[:, None] + t[None, :]
+    q_pos_BT1 = (lengths_B[:, None] + t[None, :])[:, :, None]
     s = jnp.arange(max_len)
-    context_BTS = jnp.broadcast_to(s[None, None, :] < lengths_B[:, None, None], (len(lengths_B), block_len, max_len))
-    block_TT = t[:, None] >= t[None, :]
-    if sliding_window is not None:
-        context_BTS = context_BTS & (q_pos_BT[:, :, None] - s[None, None, :] < sliding_window)
-        block_TT = block_TT & (t[:, None] - t[None, :] < sliding_window)
+    context_BTS = (s[None, None, :] < lengths_B[:, None, None]) & window_mask(q_pos_BT1, s[None, None, :], sliding_window)
+    block_TT = (t[:, None] >= t[None, :]) & window_mask(t[:, None], t[None, :], sliding_window)
     return context_BTS, jnp.broadcast_to(block_TT, (len(lengths_B), block_len, block_len))
 
 
-def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], write: bool):
+def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], write: bool, draft: bool = False):
     """Runs `tokens` through `layers` against the cache; returns (final hidden states, cache).
 
     With `write`, the block's keys and values are stored; `cache.lengths` never moves here:
@@ -74,7 +71,7 @@ def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layer
     context_mask, block_mask = attention_masks(cache.lengths, T, cache.max_len, config.sliding_window)
     contexts = [(cache.keys[i], cache.values[i]) for i in layers]
     hidden, block_kvs = run_layers(
-        params, config, tokens_BT, cache.block_positions(T), contexts, context_mask, block_mask, layers
+        params, config, tokens_BT, cache.block_positions(T), contexts, context_mask, block_mask, layers, draft
     )
     if write:
         cache = cache.write(layers, block_kvs)

@@ -121,8 +121,8 @@ def default_model_dir() -> Path:
     return Path(root) / "SmolLM2-135M-Instruct"
 
 
-def load_default(dtype: str | None = None) -> Model:
-    """The bundled SmolLM2-135M-Instruct, converted from its GGUF on first use and cached."""
+def ensure_default() -> Path:
+    """The bundled SmolLM2-135M-Instruct's converted directory, converting its GGUF on first use."""
     target = default_model_dir()
     if not (target / CONFIG_FILE).exists():
         from s3d_jax.convert import bundled_gguf_path, convert
@@ -133,7 +133,11 @@ def load_default(dtype: str | None = None) -> Model:
             tmp.rename(target)
         except OSError:  # another process finished first
             shutil.rmtree(tmp, ignore_errors=True)
-    return load(target, dtype)
+    return target
+
+
+def load_default(dtype: str | None = None) -> Model:
+    return load(ensure_default(), dtype)
 
 
 def resolve(model) -> Model:

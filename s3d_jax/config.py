@@ -37,6 +37,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     draft_skip: tuple[int, int] | None = None
     draft_gamma: int | None = None
+    draft_lora_rank: int = 0  # > 0: draft passes add LoRA adapters; the verifier never does
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:

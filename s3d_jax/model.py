@@ -25,6 +25,43 @@ NEG_INF = jnp.finfo(jnp.float32).min
 init_normal = nn.initializers.normal(stddev=0.02)
 
 
+def window_mask(q_pos, k_pos, sliding_window: int | None):
+    """Keys within the sliding window of each query (everything when there is no window)."""
+    if sliding_window is None:
+        return jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
+    return q_pos - k_pos < sliding_window
+
+
+class DraftLoRA(nn.Module):
+    """A low-rank update `x A B` that only draft passes apply, so the verifier stays the original model."""
+
+    rank: int
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        a = self.param("a", init_normal, (*self.in_shape, self.rank), self.dtype)
+        b = self.param("b", nn.initializers.zeros, (self.rank, *self.out_shape), self.dtype)
+        n_in = len(self.in_shape)
+        low = jnp.tensordot(x, a, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))))
+        return jnp.tensordot(low, b, axes=1)
+
+
+def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool):
+    """`x @ W` over the trailing `in_shape` axes, plus the draft-only LoRA update in draft passes."""
+    c = module.config
+    w = module.param(name, init_normal, (*in_shape, *out_shape), c.jnp_dtype)
+    n_in = len(in_shape)
+    y = jnp.tensordot(x, w, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))))
+    if c.draft_lora_rank:
+        lora = DraftLoRA(c.draft_lora_rank, tuple(in_shape), tuple(out_shape), c.jnp_dtype, name=f"{name}_lora")
+        if draft or module.is_initializing():
+            y = y + lora(x)
+    return y
+
+
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype
@@ -52,19 +89,13 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, context_kv, context_mask_BTS, block_mask_BTT):
+    def __call__(self, x_BTD, positions_BT, context_kv, context_mask_BTS, block_mask_BTT, draft: bool):
         c = self.config
-        dt = c.jnp_dtype
         D, H, K, E = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         G = H // K
-        wq_DHE = self.param("q", init_normal, (D, H, E), dt)
-        wk_DKE = self.param("k", init_normal, (D, K, E), dt)
-        wv_DKE = self.param("v", init_normal, (D, K, E), dt)
-        wo_HED = self.param("o", init_normal, (H, E, D), dt)
-
-        q_BTHE = rope(jnp.einsum("btd,dhe->bthe", x_BTD, wq_DHE), positions_BT, c.rope_theta)
-        k_BTKE = rope(jnp.einsum("btd,dke->btke", x_BTD, wk_DKE), positions_BT, c.rope_theta)
-        v_BTKE = jnp.einsum("btd,dke->btke", x_BTD, wv_DKE)
+        q_BTHE = rope(linear(self, "q", x_BTD, (D,), (H, E), draft), positions_BT, c.rope_theta)
+        k_BTKE = rope(linear(self, "k", x_BTD, (D,), (K, E), draft), positions_BT, c.rope_theta)
+        v_BTKE = linear(self, "v", x_BTD, (D,), (K, E), draft)
 
         B, T = x_BTD.shape[:2]
         q_BTKGE = q_BTHE.reshape(B, T, K, G, E)
@@ -80,11 +111,11 @@ class Attention(nn.Module):
             ],
             axis=-1,
         )
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x_BTD.dtype)
         out_BTKGE = jnp.einsum("bkgts,bske->btkge", probs[..., :S], context_v_BSKE) + jnp.einsum(
             "bkgts,bske->btkge", probs[..., S:], v_BTKE
         )
-        out_BTD = jnp.einsum("bthe,hed->btd", out_BTKGE.reshape(B, T, H, E), wo_HED)
+        out_BTD = linear(self, "o", out_BTKGE.reshape(B, T, H, E), (H, E), (D,), draft)
         return out_BTD, (k_BTKE, v_BTKE)
 
 
@@ -92,21 +123,18 @@ class MLP(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, draft: bool):
         c = self.config
-        dt = c.jnp_dtype
-        gate_DF = self.param("gate", init_normal, (c.hidden_size, c.intermediate_size), dt)
-        up_DF = self.param("up", init_normal, (c.hidden_size, c.intermediate_size), dt)
-        down_FD = self.param("down", init_normal, (c.intermediate_size, c.hidden_size), dt)
-        h_BTF = nn.silu(x_BTD @ gate_DF) * (x_BTD @ up_DF)
-        return h_BTF @ down_FD
+        D, F = c.hidden_size, c.intermediate_size
+        h_BTF = nn.silu(linear(self, "gate", x_BTD, (D,), (F,), draft)) * linear(self, "up", x_BTD, (D,), (F,), draft)
+        return linear(self, "down", h_BTF, (F,), (D,), draft)
 
 
 class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, context_kv, context_mask_BTS, block_mask_BTT):
+    def __call__(self, x_BTD, positions_BT, context_kv, context_mask_BTS, block_mask_BTT, draft: bool):
         c = self.config
         attn_out, kv = Attention(c, name="attn")(
             RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="attn_norm")(x_BTD),
@@ -114,9 +142,10 @@ class Block(nn.Module):
             context_kv,
             context_mask_BTS,
             block_mask_BTT,
+            draft,
         )
         h_BTD = x_BTD + attn_out
-        return h_BTD + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="mlp_norm")(h_BTD)), kv
+        return h_BTD + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="mlp_norm")(h_BTD), draft), kv
 
 
 class Transformer(nn.Module):
@@ -138,15 +167,17 @@ class Transformer(nn.Module):
         context_mask_BTS,
         block_mask_BTT,
         layers: Sequence[int],
+        draft: bool = False,
     ):
         """Runs `layers` in order; returns final-normed hidden states and each layer's block K/V.
 
-        `context_kvs[i]` is the context for the i-th entry of `layers`.
+        `context_kvs[i]` is the context for the i-th entry of `layers`. `draft` applies the
+        draft-only adapters, if the model has them.
         """
         x_BTD = jnp.take(self.embedding, tokens_BT, axis=0)
         block_kvs = []
         for layer, context_kv in zip(layers, context_kvs, strict=True):
-            x_BTD, kv = self.blocks[layer](x_BTD, positions_BT, context_kv, context_mask_BTS, block_mask_BTT)
+            x_BTD, kv = self.blocks[layer](x_BTD, positions_BT, context_kv, context_mask_BTS, block_mask_BTT, draft)
             block_kvs.append(kv)
         return self.final_norm(x_BTD), tuple(block_kvs)
 
@@ -183,9 +214,9 @@ def abstract_params(config: ModelConfig):
     return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
 
 
-def run_layers(params, config: ModelConfig, tokens_BT, positions_BT, context_kvs, context_mask, block_mask, layers):
+def run_layers(params, config: ModelConfig, tokens_BT, positions_BT, context_kvs, context_mask, block_mask, layers, draft=False):
     return Transformer(config).apply(
-        {"params": params}, tokens_BT, positions_BT, context_kvs, context_mask, block_mask, tuple(layers)
+        {"params": params}, tokens_BT, positions_BT, context_kvs, context_mask, block_mask, tuple(layers), draft
     )
 
 

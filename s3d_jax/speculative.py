@@ -46,7 +46,7 @@ def draft_s3d(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rn
     B = x_n_B.shape[0]
     masks = jnp.full((B, plan.gamma - 1), config.mask_token_id, jnp.int32)
     block = jnp.concatenate([x_n_B[:, None], masks], axis=1)
-    hidden, _ = cached_forward(params, config, cache, block, plan.draft_layers, write=False)
+    hidden, _ = cached_forward(params, config, cache, block, plan.draft_layers, write=False, draft=True)
     logits = head_logits(params, config, hidden)
     return choose(rng, logits, plan.sampling), logits, cache
 
@@ -56,7 +56,7 @@ def draft_selfspec(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_
     token, drafts, logits = x_n_B, [], []
     for j, step_rng in enumerate(jax.random.split(rng, plan.gamma)):
         hidden, cache = cached_forward(
-            params, config, cache.replace(lengths=n + j), token[:, None], plan.draft_layers, write=True
+            params, config, cache.replace(lengths=n + j), token[:, None], plan.draft_layers, write=True, draft=True
         )
         step_logits = head_logits(params, config, hidden)
         token = choose(step_rng, step_logits[:, 0], plan.sampling)

@@ -1,0 +1,184 @@
+"""The S3D training objective (method.md, "Training objective"), made exact.
+
+One sequence is processed in parallel:
+  1. choose masked positions (span or independent); masked inputs become `<M>`;
+  2. a full-model pass over the clean sequence gives every layer's target keys and values;
+  3. a draft pass over the masked sequence through the draft layers, where position p sees the
+     target keys and values before its anchor a(p) and the draft's own from a(p) to p: one
+     attention over `[target K/V ; draft K/V]` with a `T x 2T` mask, exactly what p sees at inference;
+  4. cross-entropy of position p against x_{p+1} on masked positions and anchors, with accuracy per
+     depth j = p - a(p).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from s3d_jax.config import ModelConfig
+from s3d_jax.model import lm_logits, run_layers, window_mask
+from s3d_jax.sampling import suppress
+
+MASKINGS = ("span", "iid")
+LOSS_POSITIONS = ("anchors", "unmasked")
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    skip: tuple[int, int]
+    gamma: int
+    masking: str = "span"  # span: anchors each followed by γ-1 masks; iid: the paper's 15%
+    mask_prob: float = 0.15  # iid only
+    loss_positions: str = "anchors"  # or every unmasked position
+    target_grad: bool = False  # let gradients flow through the target keys and values
+    lm_loss_weight: float = 0.0  # the full model's own next-token loss, to preserve the verifier
+    kl_weight: float = 0.0  # KL(original || current) on full-model outputs, to preserve the verifier
+    max_depth: int = 8  # depths reported in the metrics
+
+    def __post_init__(self):
+        if self.masking not in MASKINGS:
+            raise ValueError(f"masking must be one of {MASKINGS}, got {self.masking!r}")
+        if self.loss_positions not in LOSS_POSITIONS:
+            raise ValueError(f"loss_positions must be one of {LOSS_POSITIONS}, got {self.loss_positions!r}")
+        if self.gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Batch:
+    tokens: jax.Array  # [B, T] int32
+    positions: jax.Array  # [B, T] int32, restarting at 0 in each packed conversation
+    segment_ids: jax.Array  # [B, T] int32, 0 for padding
+    loss_mask: jax.Array  # [B, T] bool: the token at this position is a training target
+
+
+def choose_masks(rng, segment_ids_BT, objective: Objective):
+    """Masked positions `[B, T]`. The first token of each conversation is never masked."""
+    B, T = segment_ids_BT.shape
+    p = jnp.arange(T)[None, :]
+    if objective.masking == "span":
+        offset = jax.random.randint(rng, (B, 1), 0, objective.gamma)
+        masked = (p - offset) % objective.gamma != 0
+    else:
+        masked = jax.random.bernoulli(rng, objective.mask_prob, (B, T))
+    previous = jnp.pad(segment_ids_BT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    starts = segment_ids_BT != previous
+    return masked & ~starts & (segment_ids_BT > 0)
+
+
+def anchors_of(masked_BT):
+    """a(p): the last unmasked position at or before p."""
+    p = jnp.broadcast_to(jnp.arange(masked_BT.shape[1]), masked_BT.shape)
+    return jax.lax.cummax(jnp.where(masked_BT, 0, p), axis=1)
+
+
+def _same_segment_window(batch: Batch, config: ModelConfig):
+    same = batch.segment_ids[:, :, None] == batch.segment_ids[:, None, :]
+    return same & window_mask(batch.positions[:, :, None], batch.positions[:, None, :], config.sliding_window)
+
+
+def target_pass(params, config: ModelConfig, batch: Batch):
+    """Full model over the clean sequence: final hidden states and every layer's keys and values."""
+    B, T = batch.tokens.shape
+    empty = jnp.zeros((B, 0, config.num_kv_heads, config.head_dim), params["embed"].dtype)
+    causal = (jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]) & _same_segment_window(batch, config)
+    return run_layers(
+        params, config, batch.tokens, batch.positions, [(empty, empty)] * config.num_layers,
+        jnp.zeros((B, T, 0), bool), causal, config.all_layers,
+    )
+
+
+def draft_pass(params, config: ModelConfig, objective: Objective, batch: Batch, masked_BT, target_kvs):
+    """Draft-layer logits for the masked sequence, each position seeing what it sees at inference."""
+    T = batch.tokens.shape[1]
+    anchor = anchors_of(masked_BT)
+    s = jnp.arange(T)[None, None, :]
+    visible = _same_segment_window(batch, config)
+    context_mask = (s < anchor[:, :, None]) & visible
+    block_mask = (s >= anchor[:, :, None]) & (s <= jnp.arange(T)[None, :, None]) & visible
+    layers = config.draft_layers(objective.skip)
+    draft_tokens = jnp.where(masked_BT, config.mask_token_id, batch.tokens)
+    hidden, _ = run_layers(
+        params, config, draft_tokens, batch.positions, [target_kvs[i] for i in layers],
+        context_mask, block_mask, layers, draft=True,
+    )
+    return suppress(lm_logits(params, config, hidden), config.mask_token_id), anchor
+
+
+def next_token_targets(batch: Batch):
+    """x_{p+1} for every p, and whether it is a target: same conversation and in the loss mask."""
+    targets = jnp.pad(batch.tokens[:, 1:], ((0, 0), (0, 1)))
+    same_next = jnp.pad(batch.segment_ids[:, 1:], ((0, 0), (0, 1))) == batch.segment_ids
+    in_loss = jnp.pad(batch.loss_mask[:, 1:], ((0, 0), (0, 1)))
+    return targets, same_next & in_loss & (batch.segment_ids > 0)
+
+
+def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Objective, original_params=None):
+    """Returns `(loss, metrics)`; metrics carry per-depth sums so they can be pooled over batches."""
+    full_hidden, target_kvs = target_pass(params, config, batch)
+    if not objective.target_grad:
+        target_kvs = jax.lax.stop_gradient(target_kvs)
+    masked = choose_masks(rng, batch.segment_ids, objective)
+    logits, anchor = draft_pass(params, config, objective, batch, masked, target_kvs)
+
+    targets, valid = next_token_targets(batch)
+    next_masked = jnp.pad(masked[:, 1:], ((0, 0), (0, 1)))
+    every_unmasked = objective.masking == "span" or objective.loss_positions == "unmasked"
+    is_anchor = ~masked & (next_masked | every_unmasked)
+    selected = (masked | is_anchor) & valid
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    n_selected = jnp.maximum(selected.sum(), 1)
+    draft_loss = jnp.sum(ce * selected) / n_selected
+    loss = draft_loss
+
+    correct = (jnp.argmax(logits, -1) == targets) & selected
+    depth = jnp.arange(batch.tokens.shape[1])[None, :] - anchor
+    depth_onehot = (depth[..., None] == jnp.arange(objective.max_depth)) & selected[..., None]
+    # Accepted drafts per anchor: positions whose whole run from the anchor was right.
+    wrong = jnp.cumsum(selected & ~correct, axis=1)
+    wrong_before_anchor = jnp.take_along_axis(jnp.pad(wrong, ((0, 0), (1, 0)))[:, :-1], anchor, axis=1)
+    run_ok = selected & (wrong == wrong_before_anchor) & (depth < objective.gamma)
+    metrics = {
+        "draft_loss_sum": jnp.sum(ce * selected),
+        "targets": selected.sum(),
+        "depth_correct": jnp.sum(depth_onehot & correct[..., None], axis=(0, 1)),
+        "depth_count": jnp.sum(depth_onehot, axis=(0, 1)),
+        "accepted": run_ok.sum(),
+        "anchors": (is_anchor & selected).sum(),
+    }
+    if objective.lm_loss_weight or objective.kl_weight:
+        full_logits = lm_logits(params, config, full_hidden)
+        n_valid = jnp.maximum(valid.sum(), 1)
+        metrics["lm_targets"] = valid.sum()
+        if objective.lm_loss_weight:
+            lm_sum = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(full_logits, targets) * valid)
+            loss = loss + objective.lm_loss_weight * lm_sum / n_valid
+            metrics["lm_loss_sum"] = lm_sum
+        if objective.kl_weight:
+            original_hidden, _ = target_pass(original_params, config, batch)
+            original = jax.lax.stop_gradient(lm_logits(original_params, config, original_hidden))
+            kl_sum = jnp.sum(optax.kl_divergence(jax.nn.log_softmax(full_logits), jax.nn.softmax(original)) * valid)
+            loss = loss + objective.kl_weight * kl_sum / n_valid
+            metrics["kl_sum"] = kl_sum
+    return loss, metrics
+
+
+def summarize(metrics) -> dict:
+    """Pooled metric sums to readable values: loss, per-depth accuracy, and the implied E."""
+    m = jax.device_get(metrics)
+    count = m["depth_count"]
+    out = {
+        "draft_loss": float(m["draft_loss_sum"] / max(m["targets"], 1)),
+        "accuracy_per_depth": [float(c / n) if n else float("nan") for c, n in zip(m["depth_correct"], count)],
+        "expected_tokens_per_iteration": float(1 + m["accepted"] / max(m["anchors"], 1)),
+    }
+    for name in ("lm_loss", "kl"):
+        if f"{name}_sum" in m:
+            out[name] = float(m[f"{name}_sum"] / max(m["lm_targets"], 1))
+    return out
