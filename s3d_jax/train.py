@@ -244,7 +244,7 @@ class Trainer:
         # Held-out accuracy uses span masking, which is what inference sees at every depth.
         span = dataclasses.replace(self.objective, masking="span")
         compute_config = self.config.replace(dtype=self.compute_dtype)
-        return loss_fn(self.compute_params(params), batch, rng, config=compute_config, objective=span)[1]
+        return loss_fn(self.compute_params(params), batch, rng, config=compute_config, objective=span, report_verifier=True)[1]
 
 
 # ------------------------------------------------------------------ sharding
@@ -483,7 +483,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, progress: bool = 
             summary = summarize(metrics)
             elapsed = time.perf_counter() - clock
             record = {"split": "train", "step": step, **summary, "lr": float(schedule(step)), "grad_norm": float(metrics["grad_norm"]),
-                      "tokens_per_s": tokens_seen / elapsed}
+                      "tokens_per_s": tokens_seen / elapsed, "data_position": data_position}
             _append(metrics_file, record)
             bar.set_postfix_str(_describe(record) + f" {record['tokens_per_s']:.0f} tok/s")
             tokens_seen, clock = 0, time.perf_counter()
@@ -515,7 +515,8 @@ def _tokenizer(cfg):
 
 def _describe(record: dict) -> str:
     depth = " ".join(f"{a:.2f}" for a in record["accuracy_per_depth"][:6] if a == a)
-    return f"loss {record['draft_loss']:.3f} acc/depth [{depth}] E {record['expected_tokens_per_iteration']:.2f}"
+    text = f"loss {record['draft_loss']:.3f} acc/depth [{depth}] E {record['expected_tokens_per_iteration']:.2f}"
+    return text + (f" verifier ppl {record['verifier_perplexity']:.2f}" if "verifier_perplexity" in record else "")
 
 
 def _append(path: Path, record: dict) -> None:
@@ -524,32 +525,39 @@ def _append(path: Path, record: dict) -> None:
 
 
 def main(argv=None) -> int:
-    from absl import app, flags
+    from absl import flags, logging
     from ml_collections import config_flags
 
     argv = [a.replace("--dry-run", "--dry_run") for a in (argv if argv is not None else sys.argv)]
     config_flag = config_flags.DEFINE_config_file("config", None, "training config (a Python file with get_config())", lock_config=True)
     workdir_flag = flags.DEFINE_string("workdir", None, "run directory (default: runs/<config name>)")
     dry_flag = flags.DEFINE_bool("dry_run", False, "check the config and print parameter counts and memory; allocate nothing")
-    flags.mark_flag_as_required("config")
-    status = {"code": 0}
-
-    def run(_):
-        cfg = config_flag.value
-        try:
-            if dry_flag.value:
-                print(json.dumps(dry_run(cfg), indent=2))
-                return
-            maybe_initialize_distributed()
-            name = Path(flags.FLAGS["config"].config_filename).stem
-            out = train(cfg, workdir_flag.value or Path("runs") / name)
-            print(f"trained drafter written to {out}")
-        except (ValueError, KeyError) as e:  # ConfigError, CheckpointError and DataError are ValueErrors
-            print(f"error: {e}", file=sys.stderr)
-            status["code"] = 2
-
-    app.run(run, argv=argv)
-    return status["code"]
+    try:
+        flags.FLAGS(argv)
+        if config_flag.value is None:
+            raise flags.Error("--config is required, e.g. --config configs/smollm2.py")
+    except flags.Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (AttributeError, KeyError) as e:  # an override of a field the config does not have
+        name = str(e).strip("'\"")
+        given = [a for a in argv if a.startswith("--config.") and name in a]
+        print(f"error: the config has no field {name!r} ({' '.join(given) or 'in an override'})", file=sys.stderr)
+        return 2
+    logging.set_verbosity(logging.WARNING)  # orbax logs every array it writes at INFO
+    cfg = config_flag.value
+    try:
+        if dry_flag.value:
+            print(json.dumps(dry_run(cfg), indent=2))
+            return 0
+        maybe_initialize_distributed()
+        name = Path(flags.FLAGS["config"].config_filename).stem
+        out = train(cfg, workdir_flag.value or Path("runs") / name)
+    except ValueError as e:  # ConfigError, CheckpointError and DataError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"trained drafter written to {out}")
+    return 0
 
 
 if __name__ == "__main__":

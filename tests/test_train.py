@@ -1,0 +1,234 @@
+"""Training on the tiny config (CPU): learning, freezing, resume after a kill, adapters, sharding,
+decoding the result, and bad input."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import s3d_jax
+from s3d_jax import checkpoint
+from s3d_jax.data import DataError
+from s3d_jax.config import ConfigError
+from s3d_jax.train import load_base_model, train
+
+ROOT = Path(__file__).parents[1]
+
+
+def tiny_config(**overrides):
+    spec = importlib.util.spec_from_file_location("tiny", ROOT / "configs" / "tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    for dotted, value in overrides.items():
+        node = cfg
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return cfg
+
+
+def leaves(params):
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def records(workdir, split):
+    lines = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One short run that overfits a single batch, shared by several tests. The head trains too: a
+    random model's frozen head cannot make a peaked distribution whatever the layers do."""
+    cfg = tiny_config(**{"data.max_conversations": 4, "train.steps": 30, "train.lr": 1e-2, "train.eval_every": 30,
+                         "train.checkpoint_every": 30, "train.log_every": 1, "s3d.train_head": True})
+    workdir = tmp_path_factory.mktemp("overfit")
+    out = train(cfg, workdir, progress=False)
+    return cfg, workdir, out
+
+
+def test_loss_falls_when_overfitting_one_batch(trained):
+    _, workdir, _ = trained
+    losses = [r["draft_loss"] for r in records(workdir, "train")]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_frozen_layers_are_bit_identical(trained):
+    cfg, _, out = trained
+    before = leaves(load_base_model(cfg).params)
+    after = leaves(s3d_jax.load(out).params)
+    skipped = [f"['layer_{i}']" for i in range(cfg.s3d.skip[0], cfg.s3d.skip[1] + 1)]
+    frozen = [k for k in before if any(k.startswith(s) for s in skipped)]
+    assert len(frozen) == 2 * 9
+    for k in frozen:
+        assert before[k].tobytes() == after[k].tobytes(), k
+    for k in ("['layer_0']['attn']['q']", "['layer_5']['mlp']['down']", "['embed']"):
+        assert not np.array_equal(before[k], after[k]), f"{k} should have trained"
+
+
+def test_trained_model_decodes_with_its_recorded_defaults(trained):
+    cfg, _, out = trained
+    model = s3d_jax.load(out)
+    assert model.config.draft_skip == tuple(cfg.s3d.skip) and model.config.draft_gamma == cfg.s3d.gamma
+    plain = s3d_jax.decode(model, "Hello there", chat=True, method="ar", max_new_tokens=12, eos_token_ids=())
+    spec = s3d_jax.decode(model, "Hello there", chat=True, max_new_tokens=12, eos_token_ids=())
+    assert spec.stats.method == "s3d" and spec.stats.gamma == cfg.s3d.gamma and spec.stats.skip == tuple(cfg.s3d.skip)
+    assert spec.tokens == plain.tokens
+
+
+def test_resume_after_kill_equals_uninterrupted_run(tmp_path):
+    overrides = {"train.steps": 24, "train.checkpoint_every": 4, "train.eval_every": 1000, "data.max_conversations": 60}
+    reference = train(tiny_config(**overrides), tmp_path / "reference", progress=False)
+
+    workdir = tmp_path / "killed"
+    args = [f"--config.{k}={v}" for k, v in overrides.items()]
+    command = [sys.executable, "-m", "s3d_jax.train", "--config", str(ROOT / "configs" / "tiny.py"), "--workdir", str(workdir), *args]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (workdir / "checkpoints" / "8").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (workdir / "model").exists(), "the run finished before it could be killed"
+    logged = [r["step"] for r in records(workdir, "train")]
+    killed_at = max(logged)
+
+    resumed = train(tiny_config(**overrides), workdir, progress=False)
+    after = records(workdir, "train")
+    steps = [r["step"] for r in after]
+    resumed_from = steps[len(logged)] - 1  # the newest checkpoint
+    assert resumed_from % 4 == 0 and resumed_from <= killed_at
+    positions = [r["data_position"] for r in after[len(logged):]]
+    assert positions == list(range(resumed_from, 24)), "the resumed run continues the data stream exactly"
+    ref, got = leaves(s3d_jax.load(reference).params), leaves(s3d_jax.load(resumed).params)
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_draft_only_lora_leaves_the_verifier_bit_identical(tmp_path):
+    cfg = tiny_config(**{"s3d.lora_rank": 4, "train.steps": 4, "train.lr": 1e-2})
+    out = train(cfg, tmp_path, progress=False)
+    original = load_base_model(tiny_config())
+    trained_model = s3d_jax.load(out)
+    assert trained_model.config.draft_lora_rank == 4
+    ids = np.random.default_rng(0).integers(0, 49152, (2, 20))
+    # Every logit but the mask token's (which decoding forces to -inf; the tied head shares its row).
+    mask_id = cfg.model.mask_token_id
+    got, want = np.asarray(s3d_jax.logits(trained_model, ids)), np.asarray(s3d_jax.logits(original, ids))
+    assert np.array_equal(np.delete(got, mask_id, axis=-1), np.delete(want, mask_id, axis=-1))
+    lora = [v for k, v in leaves(trained_model.params).items() if "_lora']['b']" in k]
+    assert lora and any(np.abs(v).max() > 0 for v in lora), "the adapters trained"
+    # Of the shared weights, only the mask token's embedding row moved.
+    before, after = leaves(original.params), leaves(trained_model.params)
+    assert all(before[k].tobytes() == after[k].tobytes() for k in before if k != "['embed']")
+    changed_rows = np.flatnonzero(np.any(before["['embed']"] != after["['embed']"], axis=1))
+    assert changed_rows.tolist() == [cfg.model.mask_token_id]
+    # Decoding with the adapters stays exact against the original model's greedy output.
+    prompt = [1, 2, 3, 4, 5]
+    plain = s3d_jax.decode(original, prompt, method="ar", max_new_tokens=10, eos_token_ids=())
+    spec = s3d_jax.decode(trained_model, prompt, max_new_tokens=10, eos_token_ids=())
+    assert spec.tokens == plain.tokens
+
+
+SHARDED_STEP = r"""
+import json, sys
+import jax, numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_train import tiny_config
+from s3d_jax import data
+from s3d_jax.train import Trainer, load_base_model, make_mesh, make_optimizer, objective_from, place_batch, shardings, trainable_mask
+
+cfg = tiny_config(**{"train.batch_size": 4})
+base = load_base_model(cfg)
+objective = objective_from(cfg, base.config.num_layers)
+masks = trainable_mask(base.params, base.config, objective.skip, False, False)
+optimizer, _ = make_optimizer(cfg.train, masks)
+trainer = Trainer(base.config, objective, optimizer, masks, "float32")
+rows, _ = data.load_dataset(cfg.data.path, base.tokenizer, max_len=64, max_conversations=40, progress=False)
+batch_rows = rows.take(np.arange(4))
+out = {}
+for name, shape, fsdp in [("single", (1, 1), False), ("data4_fsdp", (4, 1), True), ("data2_model2", (2, 2), True)]:
+    cfg.mesh.data, cfg.mesh.model, cfg.mesh.fsdp = shape[0], shape[1], fsdp
+    mesh = make_mesh(cfg.mesh) if name != "single" else jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    abstract = jax.eval_shape(trainer.init, base.params, 0)
+    sharding = shardings(abstract, mesh, fsdp)
+    state = jax.jit(trainer.init, static_argnums=1, out_shardings=sharding)(base.params, 0)
+    step = jax.jit(trainer.step, out_shardings=(sharding, None))
+    state, metrics = step(state, place_batch(batch_rows, mesh, 1))
+    spec = state.params["layer_0"]["mlp"]["gate"].sharding.spec
+    out[name] = {"loss": float(metrics["draft_loss_sum"] / metrics["targets"]), "spec": str(spec),
+                 "params": {jax.tree_util.keystr(k): np.asarray(v).tolist() for k, v in jax.tree_util.tree_leaves_with_path(state.params) if "layer_0" in jax.tree_util.keystr(k) or "layer_5" in jax.tree_util.keystr(k)}}
+print(json.dumps(out))
+"""
+
+
+def test_sharded_step_equals_unsharded():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", SHARDED_STEP, str(Path(__file__).parent)], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "data" in out["data4_fsdp"]["spec"] and "model" in out["data2_model2"]["spec"], "parameters really are sharded"
+    for name in ("data4_fsdp", "data2_model2"):
+        assert out[name]["loss"] == pytest.approx(out["single"]["loss"], rel=1e-5)
+        for k, ref in out["single"]["params"].items():
+            np.testing.assert_allclose(np.asarray(out[name]["params"][k]), np.asarray(ref), rtol=1e-5, atol=1e-6, err_msg=f"{name} {k}")
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def run_cli(*args, timeout=300):
+    command = [sys.executable, "-m", "s3d_jax.train", "--config", str(ROOT / "configs" / "tiny.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--config.train.no_such_field=1"], "no_such_field"),
+        (["--config.train.lr=fast"], "lr"),
+        (["--config.s3d.skip=(2,9)"], "skip range [2, 9] is outside the model"),
+        (["--config.data.path=/nonexistent.json"], "does not exist"),
+    ],
+)
+def test_bad_training_input_gets_a_clear_error(tmp_path, args, message):
+    result = run_cli("--workdir", str(tmp_path), *args)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_data_without_usable_conversations(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"id": "1", "conversations": [{"from": "human", "value": "hi"}]}, {"nothing": 1}]))
+    with pytest.raises(DataError, match="no usable conversation"):
+        train(tiny_config(**{"data.path": str(bad)}), tmp_path / "run", progress=False)
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    train(tiny_config(**{"train.steps": 2, "train.checkpoint_every": 2, "data.max_conversations": 20}), tmp_path, progress=False)
+    with pytest.raises(checkpoint.CheckpointError, match="another model"):
+        train(tiny_config(**{"train.steps": 4, "model.num_layers": 5, "data.max_conversations": 20}), tmp_path, progress=False)
+
+
+def test_dry_run_needs_no_weights():
+    for name in ("phi3", "llama2_7b"):
+        result = subprocess.run([sys.executable, "-m", "s3d_jax.train", "--config", str(ROOT / "configs" / f"{name}.py"), "--dry-run"],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        report = json.loads(result.stdout)
+        p = report["parameters"]
+        assert p["trainable"] + p["frozen"] == p["total"] and 0.3 < p["frozen"] / p["total"] < 0.7
+        assert report["memory_per_device_gib"]["total"] > 10
+    assert 3.7e9 < json.loads(subprocess.run([sys.executable, "-m", "s3d_jax.train", "--config", str(ROOT / "configs" / "phi3.py"), "--dry-run"],
+                                             capture_output=True, text=True).stdout)["parameters"]["total"] < 3.9e9
