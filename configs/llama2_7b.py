@@ -1,24 +1,19 @@
-"""LLaMA-2-7B with the paper's recipe (see configs/phi3.py).
+"""LLaMA-2-7B with the paper's recipe (`paper_recipe`, see configs/phi3.py).
 
     python tools/convert_hf.py path/to/Llama-2-7b-chat-hf checkpoints/llama2_7b --dtype bfloat16
     python -m s3d_jax.train --config configs/llama2_7b.py --config.model_path=checkpoints/llama2_7b
 """
 
-from s3d_jax.train import default_config
+from s3d_jax.train import default_config, paper_recipe
 
 
 def get_config():
-    c = default_config()
+    c = paper_recipe(default_config())
     c.model_path = "checkpoints/llama2_7b"
     # The public config.json of meta-llama/Llama-2-7b-hf, plus the appended mask row (id 32000).
     c.model.update(architecture="llama", vocab_size=32001, hidden_size=4096, intermediate_size=11008, num_layers=32,
                    num_heads=32, num_kv_heads=32, head_dim=128, rope_theta=10000.0, rms_norm_eps=1e-5,
                    max_position_embeddings=4096, tie_embeddings=False, mask_token_id=32000)
-    c.model_dtype = "bfloat16"
     c.s3d.skip = (8, 23)
     c.s3d.gamma = 4
-    c.data.max_len = 2048
-    c.train.update(steps=300, batch_size=8, grad_accum=8, lr=3e-5, warmup_steps=50, grad_clip=0.5,
-                   b1=0.9, b2=0.95, compute_dtype="bfloat16")
-    c.mesh.update(data=-1, model=1, fsdp=True)
     return c

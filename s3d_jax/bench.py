@@ -127,6 +127,25 @@ def peak_memory_mib() -> tuple[float, str]:
 # ------------------------------------------------------------------ engines (each in its own process)
 
 
+def run_prompts(prompts: dict[str, list[dict]], generate) -> list[dict]:
+    """Runs every prompt (both MT-Bench turns, the second after the engine's own first answer)
+    through `generate(item, messages) -> record fields`, after one warm-up call."""
+    warm = next(iter(prompts.values()))[0]
+    generate(warm, None if "text" in warm else [{"role": "user", "content": warm["turns"][0]}])
+    records = []
+    for suite, items in prompts.items():
+        for item in items:
+            messages = [] if "turns" in item else None
+            for turn, content in enumerate(item.get("turns", [None])):
+                if messages is not None:
+                    messages.append({"role": "user", "content": content})
+                record = generate(item, messages)
+                if messages is not None:
+                    messages.append({"role": "assistant", "content": record["text"]})
+                records.append({"suite": suite, "id": item["id"], "turn": turn, **record})
+    return records
+
+
 def run_method(args, method: str, prompts: dict[str, list[dict]]) -> dict:
     import s3d_jax
 
@@ -138,26 +157,12 @@ def run_method(args, method: str, prompts: dict[str, list[dict]]) -> dict:
     if method == "ar":
         options.pop("gamma"), options.pop("skip")
 
-    def generate(prompt, messages):
-        if messages is None:
-            return s3d_jax.decode(model, prompt, **options)
-        return s3d_jax.decode(model, messages, **options)
+    def generate(item, messages):
+        out = s3d_jax.decode(model, item["text"] if messages is None else messages, **options)
+        return {"tokens": out.tokens, "text": out.text, "seconds": out.stats.decode_seconds,
+                "compile_seconds": out.stats.compile_seconds, "histogram": np.sum(out.stats.accept_histogram, axis=0).tolist()}
 
-    warm = next(iter(prompts.values()))[0]
-    generate(warm.get("text"), None if "text" in warm else [{"role": "user", "content": warm["turns"][0]}])
-    records = []
-    for suite, items in prompts.items():
-        for item in items:
-            messages = [] if "turns" in item else None
-            for turn, content in enumerate(item.get("turns", [None])):
-                if messages is not None:
-                    messages.append({"role": "user", "content": content})
-                out = generate(item.get("text"), messages)
-                if messages is not None:
-                    messages.append({"role": "assistant", "content": out.text})
-                records.append({"suite": suite, "id": item["id"], "turn": turn, "tokens": out.tokens, "text": out.text,
-                                "seconds": out.stats.decode_seconds, "compile_seconds": out.stats.compile_seconds,
-                                "histogram": np.sum(out.stats.accept_histogram, axis=0).tolist()})
+    records = run_prompts(prompts, generate)
     memory, kind = peak_memory_mib()
     return {"records": records, "peak_memory_mib": memory, "memory_kind": kind}
 
@@ -178,31 +183,19 @@ def run_peer(args, peer: str, prompts: dict[str, list[dict]]) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     extra = {"hf": {}, "hf_early_exit": {"assistant_early_exit": args.early_exit_layer}, "hf_prompt_lookup": {"prompt_lookup_num_tokens": 10}}[peer]
 
-    def generate(ids):
+    def generate(item, messages):
+        if messages is None:
+            ids = tokenizer(item["text"], return_tensors="pt")["input_ids"]
+        else:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, **extra)
-        return out[0, ids.shape[1] :].tolist(), time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        tokens = out[0, ids.shape[1] :].tolist()
+        return {"tokens": tokens, "text": tokenizer.decode(tokens, skip_special_tokens=True), "seconds": seconds}
 
-    def encode(item, messages):
-        if messages is None:
-            return tokenizer(item["text"], return_tensors="pt")["input_ids"]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-
-    warm = next(iter(prompts.values()))[0]
-    generate(encode(warm, None if "text" in warm else [{"role": "user", "content": warm["turns"][0]}]))
-    records = []
-    for suite, items in prompts.items():
-        for item in items:
-            messages = [] if "turns" in item else None
-            for turn, content in enumerate(item.get("turns", [None])):
-                if messages is not None:
-                    messages.append({"role": "user", "content": content})
-                tokens, seconds = generate(encode(item, messages))
-                text = tokenizer.decode(tokens, skip_special_tokens=True)
-                if messages is not None:
-                    messages.append({"role": "assistant", "content": text})
-                records.append({"suite": suite, "id": item["id"], "turn": turn, "tokens": tokens, "text": text, "seconds": seconds})
+    records = run_prompts(prompts, generate)
     return {"records": records, "peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "memory_kind": "process peak RSS"}
 
 

@@ -76,6 +76,17 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
+def paper_recipe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The paper's recipe: AdamW (0.9, 0.95), lr 3e-5, 50 warm-up steps, gradient clip 0.5, effective
+    batch 64 (8 x 8 accumulated), max length 2048, bf16, FSDP over every device."""
+    c.data.max_len = 2048
+    c.train.update(steps=300, batch_size=8, grad_accum=8, lr=3e-5, warmup_steps=50, grad_clip=0.5,
+                   b1=0.9, b2=0.95, compute_dtype="bfloat16")
+    c.mesh.update(data=-1, model=1, fsdp=True)
+    c.model_dtype = "bfloat16"
+    return c
+
+
 # ------------------------------------------------------------------ model and objective
 
 
