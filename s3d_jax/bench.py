@@ -124,6 +124,52 @@ def peak_memory_mib() -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process peak RSS"
 
 
+# ------------------------------------------------------------------ pass costs
+
+
+def pass_ms(model, pass_fn, context: int = 256, repeats: int = 20) -> float:
+    """Milliseconds of one `pass_fn(params, cache, x_n)` over a cache filled to `context` positions,
+    timed inside one jitted loop (no dispatch overhead). The input token changes every iteration,
+    so XLA cannot hoist the pass out of the loop."""
+    import jax
+    import jax.numpy as jnp
+
+    from s3d_jax.cache import KVCache
+
+    cache = KVCache.zeros(model.config, 1, max(512, context + 16)).replace(lengths=jnp.asarray([context], jnp.int32))
+
+    def loop(params, cache):
+        body = lambda i, acc: acc + pass_fn(params, cache, jnp.full((1,), i % 1000, jnp.int32)).sum()
+        return jax.lax.fori_loop(0, repeats, body, jnp.zeros((), jnp.float32))
+
+    fn = jax.jit(loop)
+    jax.block_until_ready(fn(model.params, cache))  # compile and warm up
+    start = time.perf_counter()
+    jax.block_until_ready(fn(model.params, cache))
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def verify_ms(model, tokens: int, **timing) -> float:
+    """A full-model pass over `tokens` tokens (1 is a plain decoding step)."""
+    import jax.numpy as jnp
+
+    from s3d_jax.speculative import verify
+
+    drafts = jnp.zeros((1, tokens - 1), jnp.int32)
+    return pass_ms(model, lambda p, c, x_n: verify(p, model.config, c, x_n, drafts)[0], **timing)
+
+
+def draft_ms(model, skip, gamma: int, **timing) -> float:
+    """One S3D draft pass of `gamma` tokens through the layers outside `skip`."""
+    import jax
+
+    from s3d_jax.sampling import Sampling
+    from s3d_jax.speculative import Plan, draft_s3d
+
+    plan = Plan("s3d", gamma, model.config.draft_layers(skip), Sampling())
+    return pass_ms(model, lambda p, c, x_n: draft_s3d(p, model.config, plan, c, x_n, jax.random.key(0))[1], **timing)
+
+
 # ------------------------------------------------------------------ engines (each in its own process)
 
 

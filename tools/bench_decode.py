@@ -41,14 +41,11 @@ def peak_rss_mib() -> float:
 
 def run_jax(args) -> dict:
     import jax
-    import jax.numpy as jnp
     from tqdm import tqdm
 
     import s3d_jax
     from s3d_jax import api
-    from s3d_jax.cache import KVCache
-    from s3d_jax.speculative import Plan, draft_s3d, verify
-    from s3d_jax.sampling import Sampling
+    from s3d_jax.bench import draft_ms, verify_ms
 
     model = s3d_jax.load(args.model, dtype=args.dtype)
     cfg = model.config
@@ -56,29 +53,11 @@ def run_jax(args) -> dict:
     prompts = PROMPTS[: args.prompts]
     result = {"device": str(jax.devices()[0]), "model": cfg.architecture, "layers": cfg.num_layers, "skip": skip, "dtype": cfg.dtype}
 
-    # Cost of single passes over a cache filled to `context` positions, timed inside one jitted loop
-    # (no dispatch overhead). The input token changes every iteration so XLA cannot hoist the pass.
-    def timed(pass_fn):
-        def loop(params, cache):
-            body = lambda i, acc: acc + pass_fn(params, cache, jnp.full((1,), i % 1000, jnp.int32)).sum()
-            return jax.lax.fori_loop(0, args.repeats, body, jnp.zeros((), jnp.float32))
-
-        fn = jax.jit(loop)
-        jax.block_until_ready(fn(model.params, cache))  # compile and warm up
-        start = time.perf_counter()
-        jax.block_until_ready(fn(model.params, cache))
-        return (time.perf_counter() - start) / args.repeats * 1e3
-
-    cache = KVCache.zeros(cfg, 1, 512).replace(lengths=jnp.asarray([args.context], jnp.int32))
-
-    def verify_pass(gamma):
-        return lambda p, c, x_n: verify(p, cfg, c, x_n, jnp.zeros((1, gamma), jnp.int32))[0]
-
-    passes = {"plain step (1 token)": timed(verify_pass(0))}
+    timing = dict(context=args.context, repeats=args.repeats)
+    passes = {"plain step (1 token)": verify_ms(model, 1, **timing)}
     for g in tqdm(args.gammas, desc="pass timings", disable=args.quiet):
-        plan = Plan("s3d", g, cfg.draft_layers(skip), Sampling())
-        passes[f"s3d draft, gamma={g}"] = timed(lambda p, c, x_n, plan=plan: draft_s3d(p, cfg, plan, c, x_n, jax.random.key(0))[1])
-        passes[f"verify, {g + 1} tokens"] = timed(verify_pass(g))
+        passes[f"s3d draft, gamma={g}"] = draft_ms(model, skip, g, **timing)
+        passes[f"verify, {g + 1} tokens"] = verify_ms(model, g + 1, **timing)
     result["pass_ms"] = passes
 
     methods = {"ar": dict(method="ar"), "selfspec": dict(method="selfspec", gamma=args.gamma, skip=skip), "s3d": dict(method="s3d", gamma=args.gamma, skip=skip)}
