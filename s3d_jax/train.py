@@ -351,8 +351,8 @@ def plot_metrics(metrics_file: Path, out: Path) -> None:
         left.plot([r["step"] for r in train], [r["draft_loss"] for r in train], label="train draft loss", alpha=0.8)
     if held:
         left.plot([r["step"] for r in held], [r["draft_loss"] for r in held], "o-", label="held-out draft loss")
-        depths = len(held[0]["accuracy_per_depth"])
-        for d in range(depths):
+        depths = [d for d in range(len(held[0]["accuracy_per_depth"])) if any(r["accuracy_per_depth"][d] == r["accuracy_per_depth"][d] for r in held)]
+        for d in depths:
             right.plot([r["step"] for r in held], [r["accuracy_per_depth"][d] for r in held], "o-", label=f"depth {d}")
     left.set_xlabel("step")
     left.set_ylabel("cross-entropy")
