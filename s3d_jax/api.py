@@ -67,6 +67,19 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
+def tokens_per_iteration(histogram) -> float:
+    """E from a histogram over k = 0..γ accepted drafts: each iteration emits k + 1 tokens."""
+    hist = np.asarray(histogram)
+    return float(np.dot(hist, np.arange(1, len(hist) + 1)) / max(hist.sum(), 1))
+
+
+def acceptance_per_depth(histogram) -> list[float]:
+    """α_j from a histogram over k = 0..γ: the chance that draft j is accepted given 1..j-1 were."""
+    hist = np.asarray(histogram)
+    reached = np.cumsum(hist[::-1])[::-1]  # reached[j] = iterations with k >= j
+    return [float(reached[j + 1] / reached[j]) if reached[j] else float("nan") for j in range(len(hist) - 1)]
+
+
 @dataclasses.dataclass
 class DecodeStats:
     method: str
@@ -81,15 +94,12 @@ class DecodeStats:
     @property
     def tokens_per_iteration(self) -> float:
         """E: mean tokens emitted per iteration (accepted drafts plus the verifier's token)."""
-        hist = np.sum(self.accept_histogram, axis=0)
-        return float(np.dot(hist, np.arange(1, len(hist) + 1)) / max(hist.sum(), 1))
+        return tokens_per_iteration(np.sum(self.accept_histogram, axis=0))
 
     @property
     def acceptance_per_depth(self) -> list[float]:
         """α_j: the chance that draft j is accepted given drafts 1..j-1 were."""
-        hist = np.sum(self.accept_histogram, axis=0)
-        reached = np.cumsum(hist[::-1])[::-1]  # reached[j] = iterations with k >= j
-        return [float(reached[j + 1] / reached[j]) if reached[j] else float("nan") for j in range(self.gamma)]
+        return acceptance_per_depth(np.sum(self.accept_histogram, axis=0))
 
     @property
     def tokens_per_second(self) -> float:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from s3d_jax.api import acceptance_per_depth, tokens_per_iteration
+
 SUITES = ("mt_bench", "humaneval", "news")
 METHODS = ("ar", "selfspec", "s3d", "s3d_sample")
 PEERS = ("hf", "hf_early_exit", "hf_prompt_lookup")
@@ -256,9 +258,8 @@ def summarize(engine: str, suite: str, result: dict, prompts: dict, base: dict |
            "compile_s": sum(r.get("compile_seconds", 0.0) for r in records)}
     if records and "histogram" in records[0]:
         hist = np.sum([r["histogram"] for r in records], axis=0)
-        reached = np.cumsum(hist[::-1])[::-1]
-        row["acceptance_per_depth"] = [float(reached[j + 1] / reached[j]) if reached[j] else float("nan") for j in range(len(hist) - 1)]
-        row["tokens_per_iteration"] = float(np.dot(hist, np.arange(1, len(hist) + 1)) / max(hist.sum(), 1))
+        row["acceptance_per_depth"] = acceptance_per_depth(hist)
+        row["tokens_per_iteration"] = tokens_per_iteration(hist)
     else:
         row["acceptance_per_depth"], row["tokens_per_iteration"] = [], float("nan")
     if base is not None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from s3d_jax.api import acceptance_per_depth
 from s3d_jax.bench import expected_tokens
 
 
@@ -93,8 +94,7 @@ def measure_acceptance(model, questions: int, gamma: int, max_new_tokens: int) -
         out = s3d_jax.decode(model, item["turns"][0], chat=True, gamma=gamma, max_new_tokens=max_new_tokens)
         h = np.sum(out.stats.accept_histogram, axis=0)
         hist = h if hist is None else hist + h
-    reached = np.cumsum(hist[::-1])[::-1]
-    return [float(reached[j + 1] / reached[j]) if reached[j] else float("nan") for j in range(gamma)]
+    return acceptance_per_depth(hist)
 
 
 def measure_speedup(model, questions: int, gamma: int, max_new_tokens: int) -> float:

@@ -41,6 +41,7 @@ def peak_rss_mib() -> float:
 
 def run_jax(args) -> dict:
     import jax
+    import numpy as np
     from tqdm import tqdm
 
     import s3d_jax
@@ -65,21 +66,18 @@ def run_jax(args) -> dict:
     for name, opts in tqdm(methods.items(), desc="methods", disable=args.quiet):
         common = dict(chat=True, max_new_tokens=args.max_new_tokens, eos_token_ids=(), **opts)
         s3d_jax.decode(model, prompts[0], **common)  # warm-up
-        tokens, seconds, compile_s, hist = 0, 0.0, 0.0, None
+        tokens, seconds, hist = 0, 0.0, 0
         for prompt in prompts:
             out = s3d_jax.decode(model, prompt, **common)
             tokens += len(out.tokens)
             seconds += out.stats.decode_seconds
-            compile_s += out.stats.compile_seconds
-            h = out.stats.accept_histogram
-            hist = h if hist is None else [[a + b for a, b in zip(r1, r2)] for r1, r2 in zip(hist, h)]
-        stats = api.DecodeStats(name, out.stats.gamma, out.stats.skip, [tokens], [sum(hist[0])], hist, seconds, compile_s)
+            hist = hist + np.sum(out.stats.accept_histogram, axis=0)
         rows[name] = {
             "tokens": tokens,
             "seconds": seconds,
             "tokens_per_s": tokens / seconds,
-            "tokens_per_iteration": stats.tokens_per_iteration,
-            "acceptance_per_depth": stats.acceptance_per_depth,
+            "tokens_per_iteration": api.tokens_per_iteration(hist),
+            "acceptance_per_depth": api.acceptance_per_depth(hist),
         }
     result["methods"] = rows
     result["peak_rss_mib"] = peak_rss_mib()
