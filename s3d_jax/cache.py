@@ -61,18 +61,29 @@ def attention_masks(lengths_B, block_len: int, max_len: int, sliding_window: int
     return context_BTS, jnp.broadcast_to(block_TT, (len(lengths_B), block_len, block_len))
 
 
+def _forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], draft: bool):
+    T = tokens_BT.shape[1]
+    context_mask, block_mask = attention_masks(cache.lengths, T, cache.max_len, config.sliding_window)
+    contexts = [(cache.keys[i], cache.values[i]) for i in layers]
+    return run_layers(params, config, tokens_BT, cache.block_positions(T), contexts, context_mask, block_mask, layers, draft)
+
+
 def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], write: bool, draft: bool = False):
     """Runs `tokens` through `layers` against the cache; returns (final hidden states, cache).
 
     With `write`, the block's keys and values are stored; `cache.lengths` never moves here:
     the caller advances it by however many tokens it keeps.
     """
-    T = tokens_BT.shape[1]
-    context_mask, block_mask = attention_masks(cache.lengths, T, cache.max_len, config.sliding_window)
-    contexts = [(cache.keys[i], cache.values[i]) for i in layers]
-    hidden, block_kvs = run_layers(
-        params, config, tokens_BT, cache.block_positions(T), contexts, context_mask, block_mask, layers, draft
-    )
+    hidden, block_kvs = _forward(params, config, cache, tokens_BT, layers, draft)
     if write:
         cache = cache.write(layers, block_kvs)
     return hidden, cache
+
+
+def prompt_forward(params, config: ModelConfig, tokens_BT, max_len: int):
+    """The prompt pass: the full model over `tokens` with nothing before them; returns (hidden states,
+    a new cache of `max_len` positions holding their keys and values, `lengths` still 0). The context
+    segment is empty rather than an all-zero cache, which XLA would spend seconds constant-folding."""
+    B = tokens_BT.shape[0]
+    hidden, block_kvs = _forward(params, config, KVCache.zeros(config, B, 0), tokens_BT, config.all_layers, False)
+    return hidden, KVCache.zeros(config, B, max_len).write(config.all_layers, block_kvs)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax.cache import KVCache, cached_forward
+from s3d_jax.cache import KVCache, prompt_forward
 from s3d_jax.config import ModelConfig
 from s3d_jax.sampling import choose
 from s3d_jax.speculative import Plan, accept, draft, head_logits, verify
@@ -43,8 +43,7 @@ def _is_eos(tokens, eos_ids):
 def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng, *, config: ModelConfig, plan: Plan, max_len: int):
     """Runs the padded prompts through the full model and picks each row's first new token."""
     B, P = prompts_BP.shape
-    cache = KVCache.zeros(config, B, max_len)
-    hidden, cache = cached_forward(params, config, cache, prompts_BP, config.all_layers, write=True)
+    hidden, cache = prompt_forward(params, config, prompts_BP, max_len)
     last_hidden = jnp.take_along_axis(hidden, (prompt_lengths_B - 1)[:, None, None], axis=1)
     rng, first_rng = jax.random.split(rng)
     first = choose(first_rng, head_logits(params, config, last_hidden)[:, 0], plan.sampling)
