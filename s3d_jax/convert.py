@@ -1,6 +1,7 @@
 """Converts a Hugging Face model directory or a llama GGUF file into an s3d_jax model directory.
 
     python tools/convert_hf.py SRC OUT [--dtype float32|bfloat16|float16] [--quiet]
+    python tools/convert_hf.py MODEL HF_OUT --to-hf      # back to transformers, e.g. a trained drafter
 
 Every source is first read into the same three things (`HFSource`):
   - an HF-style `config.json` dict,
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from s3d_jax import checkpoint
@@ -497,20 +499,25 @@ def _unflatten(flat: dict) -> dict:
 # The mask token's row.
 
 
-def mask_row_plan(vocab_size: int, tokenizer_size: int | None) -> tuple[int, bool]:
+def mask_row_plan(vocab_size: int, tokenizer_size: int | None, recorded: int | None = None) -> tuple[int, bool]:
     """(mask token id, whether a row must be appended).
 
-    A vocabulary padded past the tokenizer (Phi-3: 32064 rows, 32011 tokens) has unused rows:
-    the last one becomes the mask. Otherwise the mask is a new row at index `vocab_size`.
+    A directory this project exported records its mask id. A vocabulary padded past the tokenizer
+    (Phi-3: 32064 rows, 32011 tokens) has unused rows: the last one becomes the mask. Otherwise
+    the mask is a new row at index `vocab_size`.
     """
+    if recorded is not None:
+        if not 0 <= recorded < vocab_size:
+            raise CheckpointError(f"config.json records mask token id {recorded}, outside the vocabulary of {vocab_size}")
+        return recorded, False
     if tokenizer_size is not None and tokenizer_size < vocab_size:
         return vocab_size - 1, False
     return vocab_size, True
 
 
-def add_mask_row(params: dict, config: ModelConfig, tokenizer_size: int | None) -> tuple[dict, ModelConfig]:
+def add_mask_row(params: dict, config: ModelConfig, tokenizer_size: int | None, recorded: int | None = None) -> tuple[dict, ModelConfig]:
     """Reserves or appends the mask token's embedding row and records its id in the config."""
-    mask_id, append = mask_row_plan(config.vocab_size, tokenizer_size)
+    mask_id, append = mask_row_plan(config.vocab_size, tokenizer_size, recorded)
     if append:
         embed = params["embed"]
         mean = embed.astype(np.float32).mean(axis=0, keepdims=True).astype(embed.dtype)
@@ -520,6 +527,81 @@ def add_mask_row(params: dict, config: ModelConfig, tokenizer_size: int | None) 
             params["lm_head"] = np.concatenate([head, np.zeros((head.shape[0], 1), head.dtype)], axis=1)
         config = config.replace(vocab_size=config.vocab_size + 1)
     return params, config.replace(mask_token_id=mask_id)
+
+
+# --------------------------------------------------------------------------------------------
+# This project's params -> a Hugging Face directory (the inverse of `params_from_hf`).
+
+HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
+
+
+def params_to_hf(params, config: ModelConfig) -> dict[str, np.ndarray]:
+    """HF tensor names in torch layouts. Draft-only LoRA weights have no HF counterpart and are left out:
+    the full model does not use them."""
+    d = config.hidden_size
+    p = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
+    out = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]["scale"]}
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = p["lm_head"].T
+    for i in range(config.num_layers):
+        layer, name = p[f"layer_{i}"], f"model.layers.{i}."
+        attn, mlp = layer["attn"], layer["mlp"]
+        q, k, v = (attn[x].reshape(d, -1).T for x in ("q", "k", "v"))
+        gate, up = mlp["gate"].T, mlp["up"].T
+        out[name + "self_attn.o_proj.weight"] = attn["o"].reshape(-1, d).T
+        out[name + "mlp.down_proj.weight"] = mlp["down"].T
+        out[name + "input_layernorm.weight"] = layer["attn_norm"]["scale"]
+        out[name + "post_attention_layernorm.weight"] = layer["mlp_norm"]["scale"]
+        if config.architecture == "phi3":
+            out[name + "self_attn.qkv_proj.weight"] = np.concatenate([q, k, v])
+            out[name + "mlp.gate_up_proj.weight"] = np.concatenate([gate, up])
+        else:
+            out.update({name + "self_attn.q_proj.weight": q, name + "self_attn.k_proj.weight": k,
+                        name + "self_attn.v_proj.weight": v, name + "mlp.gate_proj.weight": gate, name + "mlp.up_proj.weight": up})
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+    hf = {
+        "architectures": [HF_CLASSES[config.architecture]],
+        "model_type": config.architecture,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "max_position_embeddings": config.max_position_embeddings,
+        "eos_token_id": list(config.eos_token_ids),
+        "pad_token_id": None,  # else Phi3Config assumes 32000, which a small vocabulary lacks
+        "dtype": "float32",
+        "s3d": {"mask_token_id": config.mask_token_id},  # read back by `convert`
+    }
+    if config.draft_skip is not None and not config.draft_lora_rank:  # LoRA drafters lose their adapters
+        hf["s3d"].update(draft_skip=list(config.draft_skip), draft_gamma=config.draft_gamma)
+    if config.architecture != "llama":
+        hf["sliding_window"] = config.sliding_window
+    return hf
+
+
+def export_hf(model, out: str | Path) -> Path:
+    """Writes `model` (params, config, tokenizer) as a float32 Hugging Face directory that transformers loads.
+    The mask row stays in the vocabulary, so converting the directory back gives the same model."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": list(model.config.eos_token_ids)}))
+    save_file(params_to_hf(model.params, model.config), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(str(out))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -537,7 +619,10 @@ def convert(src: str | Path, out: str | Path, dtype: str = "float32", progress: 
         raise ConfigError(f"{source.path}: the config lacks the field {e.args[0]}") from None
     params = params_from_hf(source.tensors, config, progress=progress)
     tokenizer_size = len(source.tokenizer) if source.tokenizer is not None else None
-    params, config = add_mask_row(params, config, tokenizer_size)
+    recorded = source.config.get("s3d") or {}
+    params, config = add_mask_row(params, config, tokenizer_size, recorded.get("mask_token_id"))
+    if recorded.get("draft_skip"):
+        config = config.replace(draft_skip=tuple(recorded["draft_skip"]), draft_gamma=recorded.get("draft_gamma", config.draft_gamma))
     return checkpoint.save(out, params, config, source.tokenizer)
 
 
@@ -550,8 +635,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output directory")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype (default float32)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--to-hf", action="store_true", help="the other way: SRC is an s3d_jax model (a trained drafter), OUT a new HF directory")
     args = parser.parse_args(argv)
     try:
+        if args.to_hf:
+            out = export_hf(checkpoint.load(args.src), args.out)
+            print(f"exported {args.src} -> {out} (float32; draft-only LoRA weights, if any, are not part of it)")
+            return 0
         out = convert(args.src, args.out, args.dtype, progress=not args.quiet)
         config = checkpoint.load_config(out)
     except (ConfigError, CheckpointError, OSError) as e:

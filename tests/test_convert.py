@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -23,7 +24,7 @@ import s3d_jax  # noqa: E402
 from s3d_jax import checkpoint  # noqa: E402
 from s3d_jax.checkpoint import CheckpointError  # noqa: E402
 from s3d_jax.config import ConfigError, ModelConfig  # noqa: E402
-from s3d_jax.convert import add_mask_row, convert, main, mask_row_plan, read_source  # noqa: E402
+from s3d_jax.convert import add_mask_row, convert, export_hf, main, mask_row_plan, read_source  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RTOL = 1e-4  # max |ours - reference| / max |reference|, float32
@@ -123,6 +124,19 @@ def test_random_model_parity(case, tmp_path):
     np.testing.assert_allclose(embed[VOCAB], embed[:VOCAB].mean(0), rtol=1e-5, atol=1e-6)
     if not c.tie_embeddings:
         assert not np.asarray(loaded.params["lm_head"])[:, VOCAB].any()
+
+    # Back to transformers (`--to-hf`): the same logits, the mask column included, and the same params
+    # when converted again (the mask row is now the last row of a vocabulary larger than no tokenizer).
+    from transformers import AutoModelForCausalLM
+
+    export_hf(loaded, tmp_path / "back")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    assert type(exported).__name__ == type(model).__name__
+    assert_parity(f"{case} exported", exported, out, random_ids())
+    again = s3d_jax.load(convert(tmp_path / "back", tmp_path / "again", progress=False))
+    assert again.config == c
+    for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(loaded.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_cli_converts(tmp_path):
