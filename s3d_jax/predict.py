@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from s3d_jax.api import acceptance_per_depth
+from s3d_jax.api import acceptance_per_depth, tokens_per_iteration
 from s3d_jax.bench import expected_tokens
 
 
@@ -85,30 +85,19 @@ def interpolated(times: dict[int, float]):
         (times[ts[-1]] - times[ts[0]]) / max(ts[-1] - ts[0], 1))
 
 
-def measure_acceptance(model, questions: int, gamma: int, max_new_tokens: int) -> list[float]:
+def measure(model, questions: int, max_new_tokens: int, method: str = "s3d", gamma: int | None = None):
+    """Decode the first turn of `questions` MT-Bench questions: (tokens/s, summed accept histogram)."""
     import s3d_jax
     from s3d_jax.bench import load_suite
 
+    tokens = seconds = 0.0
     hist = None
     for item in load_suite("mt_bench", questions):
-        out = s3d_jax.decode(model, item["turns"][0], chat=True, gamma=gamma, max_new_tokens=max_new_tokens)
+        out = s3d_jax.decode(model, item["turns"][0], chat=True, method=method, gamma=gamma, max_new_tokens=max_new_tokens)
+        tokens, seconds = tokens + sum(out.stats.generated_tokens), seconds + out.stats.decode_seconds
         h = np.sum(out.stats.accept_histogram, axis=0)
         hist = h if hist is None else hist + h
-    return acceptance_per_depth(hist)
-
-
-def measure_speedup(model, questions: int, gamma: int, max_new_tokens: int) -> float:
-    import s3d_jax
-    from s3d_jax.bench import load_suite
-
-    speed = {}
-    for method in ("ar", "s3d"):
-        tokens = seconds = 0.0
-        for item in load_suite("mt_bench", questions):
-            out = s3d_jax.decode(model, item["turns"][0], chat=True, method=method, gamma=gamma, max_new_tokens=max_new_tokens)
-            tokens, seconds = tokens + len(out.tokens), seconds + out.stats.decode_seconds
-        speed[method] = tokens / seconds
-    return speed["s3d"] / speed["ar"]
+    return tokens / seconds, hist
 
 
 def main(argv=None) -> int:
@@ -140,8 +129,8 @@ def main(argv=None) -> int:
             p.error(f"{path} records no skip range; train it with s3d_jax.train")
         drafters[tuple(drafter.config.draft_skip)] = drafter
         print(f"measuring acceptance of {path} (skip {drafter.config.draft_skip}) ...", file=sys.stderr)
-        points.append({"skip": list(drafter.config.draft_skip),
-                       "acceptance_per_depth": measure_acceptance(drafter, args.questions, args.max_gamma, args.max_new_tokens)})
+        _, hist = measure(drafter, args.questions, args.max_new_tokens, gamma=args.max_gamma)
+        points.append({"skip": list(drafter.config.draft_skip), "acceptance_per_depth": acceptance_per_depth(hist)})
     for point in points:
         point["r"] = draft_ratio(config, point["skip"])
     c, kappa = fit_first_acceptance([q["r"] for q in points] + [1.0], [q["acceptance_per_depth"][0] for q in points] + [1.0])
@@ -160,10 +149,13 @@ def main(argv=None) -> int:
     if args.sweep:
         measured = []
         for skip, drafter in drafters.items():
+            print(f"measuring the speedup of skip {list(skip)} for gamma 1..{args.max_gamma} ...", file=sys.stderr)
+            plain, _ = measure(drafter, args.questions, args.max_new_tokens, method="ar")
+            r = draft_ratio(config, skip)
             for gamma in range(1, args.max_gamma + 1):
-                speedup = measure_speedup(drafter, args.questions, gamma, args.max_new_tokens)
-                r = draft_ratio(config, skip)
-                measured.append({"skip": list(skip), "gamma": gamma, "r": r, "measured_speedup": speedup,
+                speed, hist = measure(drafter, args.questions, args.max_new_tokens, gamma=gamma)
+                measured.append({"skip": list(skip), "gamma": gamma, "r": r, "measured_speedup": speed / plain,
+                                 "tokens_per_iteration": tokens_per_iteration(hist),
                                  "predicted_speedup": predict_speedup(r, gamma, c, kappa, delta, t, args.epsilon)})
         report["measured"] = measured
         report["best_measured"] = max(measured, key=lambda q: q["measured_speedup"])

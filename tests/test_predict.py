@@ -41,3 +41,36 @@ def test_draft_ratio_and_grid():
     assert draft_ratio(config, (2, 5)) < draft_ratio(config, (3, 4))
     skips = symmetric_skips(8)
     assert skips == [(3, 4), (2, 5), (1, 6)]
+
+
+def test_cli_sweep_on_tiny_drafters(tmp_path):
+    """The whole command: measure two drafters, fit, predict the grid, measure it, write json and plot."""
+    import json
+    import subprocess
+    import sys
+
+    from reference import tiny_model
+
+    from s3d_jax import checkpoint
+
+    tokenizer = checkpoint.load_tokenizer(checkpoint.ensure_default())
+    model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, num_layers=6, hidden_size=32, intermediate_size=64, head_dim=8)
+    drafters = []
+    for skip in [(2, 3), (1, 4)]:
+        drafters.append(str(tmp_path / f"skip_{skip[0]}_{skip[1]}"))
+        checkpoint.save(drafters[-1], model.params, model.config.replace(eos_token_ids=(2,), draft_skip=skip, draft_gamma=2), tokenizer)
+    out = tmp_path / "predict"
+    result = subprocess.run(
+        [sys.executable, "-m", "s3d_jax.predict", "--drafters", *drafters, "--questions", "1", "--max-gamma", "2",
+         "--max-new-tokens", "8", "--sweep", "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "predict.json").read_text())
+    assert (out / "predict.png").stat().st_size > 0
+    assert sorted(tuple(p["skip"]) for p in report["points"]) == [(1, 4), (2, 3)]
+    assert {(tuple(m["skip"]), m["gamma"]) for m in report["measured"]} == {(s, g) for s in [(1, 4), (2, 3)] for g in (1, 2)}
+    assert all(m["measured_speedup"] > 0 and m["tokens_per_iteration"] >= 1 for m in report["measured"])
+    assert report["best_predicted"]["predicted_speedup"] == max(
+        report["best_predicted"]["predicted_speedup"], *(m["predicted_speedup"] for m in report["measured"]))
+    assert "best predicted: skip" in result.stdout and "best measured:  skip" in result.stdout
