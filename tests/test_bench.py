@@ -33,10 +33,12 @@ def test_rouge_on_known_pairs():
 
 
 def test_humaneval_harness_runs_completions():
-    problem = {"task_id": "t/0", "prompt": "def add(a, b):\n", "entry_point": "add",
+    problem = {"task_id": "t/0", "prompt": 'def add(a, b):\n    """The sum."""\n', "entry_point": "add",
                "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n"}
-    assert humaneval_completion("    return a + b\n\ndef unused():\n    pass") == "    return a + b\n"
-    assert pass_at_1([problem, problem], ["    return a + b\n", "    return a - b\n"]) == 0.5
+    assert humaneval_completion("    return a + b\n\ndef unused():\n    pass", "add") == "    return a + b\n"
+    restated = "\ndef add(a, b):\n    return a + b\n\ndef unused():\n    pass"
+    assert humaneval_completion(restated, "add") == "\ndef add(a, b):\n    return a + b\n"
+    assert pass_at_1([problem] * 3, ["    return a + b\n", "    return a - b\n", restated]) == pytest.approx(2 / 3)
 
 
 def test_bench_smoke_on_a_tiny_model(tmp_path):
