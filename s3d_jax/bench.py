@@ -313,6 +313,7 @@ def plot(rows: list[dict], out: Path) -> None:
     for r in rows:
         if r["acceptance_per_depth"]:
             ax.plot(np.arange(1, len(r["acceptance_per_depth"]) + 1), r["acceptance_per_depth"], "o-", label=f"{r['engine']} / {r['suite']}")
+    ax.set_xticks(range(1, 1 + max((len(r["acceptance_per_depth"]) for r in rows), default=1)))
     ax.set_xlabel("draft depth")
     ax.set_ylabel("acceptance (given the earlier drafts were accepted)")
     ax.set_ylim(0, 1)

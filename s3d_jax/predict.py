@@ -36,6 +36,11 @@ def draft_ratio(config, skip) -> float:
     return (shared + drafted * per_layer) / (shared + config.num_layers * per_layer)
 
 
+def first_acceptance(r, c: float, kappa: float):
+    """α_1(r), clipped to [0, 1]: a fit with c > 1 would go negative for drafts far smaller than measured."""
+    return np.clip(1.0 - c * (1.0 - np.asarray(r, float)) ** kappa, 0.0, 1.0)
+
+
 def fit_first_acceptance(r, alpha1) -> tuple[float, float]:
     """Least-squares (c, κ) of α_1(r) = 1 - c (1 - r)^κ; c in closed form for each κ on a grid."""
     r, y = np.asarray(r, float), 1.0 - np.asarray(alpha1, float)
@@ -63,8 +68,7 @@ def fit_depth_discount(acceptances: list[list[float]], depth: int) -> np.ndarray
 
 
 def predict_speedup(r: float, gamma: int, c: float, kappa: float, delta, pass_ms, epsilon: float = 0.0) -> float:
-    alpha1 = 1.0 - c * (1.0 - r) ** kappa
-    alphas = [min(alpha1 * delta[min(j, len(delta) - 1)], 1.0) for j in range(gamma)]
+    alphas = [min(first_acceptance(r, c, kappa) * delta[min(j, len(delta) - 1)], 1.0) for j in range(gamma)]
     e = expected_tokens(alphas)
     return e * pass_ms(1) / (r * pass_ms(gamma) + pass_ms(gamma + 1) + epsilon * pass_ms(1))
 
@@ -181,15 +185,16 @@ def plot(report: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     rs = np.linspace(0.05, 1.0, 100)
     fit = report["fit"]
-    left.plot(rs, 1 - fit["c"] * (1 - rs) ** fit["kappa"], label="fitted alpha_1(r)")
+    left.plot(rs, first_acceptance(rs, fit["c"], fit["kappa"]), label="fitted alpha_1(r)")
     left.plot([q["r"] for q in report["points"]], [q["acceptance_per_depth"][0] for q in report["points"]], "o", label="measured")
     left.set_xlabel("r (fraction of parameters the draft uses)")
     left.set_ylabel("first-draft acceptance")
     left.legend()
     for gamma in sorted({q["gamma"] for q in report.get("measured", [])}):
         rows = [q for q in report["measured"] if q["gamma"] == gamma]
-        right.plot([q["r"] for q in rows], [q["measured_speedup"] for q in rows], "o", label=f"measured, gamma={gamma}")
-        right.plot([q["r"] for q in rows], [q["predicted_speedup"] for q in rows], "--", alpha=0.7)
+        rows.sort(key=lambda q: q["r"])
+        dots = right.plot([q["r"] for q in rows], [q["measured_speedup"] for q in rows], "o", label=f"measured, gamma={gamma}")
+        right.plot([q["r"] for q in rows], [q["predicted_speedup"] for q in rows], "--", color=dots[0].get_color(), alpha=0.7)
     right.axhline(1.0, color="gray", lw=0.8)
     right.set_xlabel("r")
     right.set_ylabel("speedup (dashed: predicted)")
