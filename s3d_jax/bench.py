@@ -33,8 +33,6 @@ from pathlib import Path
 
 import numpy as np
 
-from s3d_jax.api import acceptance_per_depth, tokens_per_iteration
-
 SUITES = ("mt_bench", "humaneval", "news")
 METHODS = ("ar", "selfspec", "s3d", "s3d_sample")
 PEERS = ("hf", "hf_early_exit", "hf_prompt_lookup")
@@ -122,13 +120,17 @@ def pass_at_1(problems: list[dict], completions: list[str]) -> float:
     return float(np.mean(results))
 
 
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def peak_memory_mib() -> tuple[float, str]:
     import jax
 
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return stats["peak_bytes_in_use"] / 2**20, "device peak"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process peak RSS"
+    return peak_rss_mib(), "process peak RSS"
 
 
 # ------------------------------------------------------------------ pass costs
@@ -220,13 +222,27 @@ def run_method(args, method: str, prompts: dict[str, list[dict]]) -> dict:
     return {"records": records, "peak_memory_mib": memory, "memory_kind": kind}
 
 
-def run_peer(args, peer: str, prompts: dict[str, list[dict]]) -> dict:
+def export_for_transformers(model_dir: str, out: str) -> str:
+    """Writes the model under test as a transformers directory, in a child process so that this one
+    stays free of the weights."""
+    print("exporting the model to transformers for the peers ...", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "s3d_jax.convert", model_dir, out, "--to-hf"], check=True)
+    return out
+
+
+def load_transformers(hf_dir: str):
+    """(model, tokenizer) in float32 PyTorch, using every core."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(os.cpu_count())
-    model = AutoModelForCausalLM.from_pretrained(args.hf_model, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.hf_model)
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(hf_dir)
+
+
+def run_peer(args, peer: str, prompts: dict[str, list[dict]]) -> dict:
+    import torch
+
+    model, tokenizer = load_transformers(args.hf_model)
     extra = {"hf": {}, "hf_early_exit": {"assistant_early_exit": args.early_exit_layer}, "hf_prompt_lookup": {"prompt_lookup_num_tokens": 10}}[peer]
 
     def generate(item, messages):
@@ -242,13 +258,15 @@ def run_peer(args, peer: str, prompts: dict[str, list[dict]]) -> dict:
         return {"tokens": tokens, "text": tokenizer.decode(tokens, skip_special_tokens=True), "seconds": seconds}
 
     records = run_prompts(prompts, generate)
-    return {"records": records, "peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "memory_kind": "process peak RSS"}
+    return {"records": records, "peak_memory_mib": peak_rss_mib(), "memory_kind": "process peak RSS"}
 
 
 # ------------------------------------------------------------------ aggregation and output
 
 
 def summarize(engine: str, suite: str, result: dict, prompts: dict, base: dict | None, base_result: dict | None) -> dict:
+    from s3d_jax.api import acceptance_per_depth, tokens_per_iteration
+
     records = [r for r in result["records"] if r["suite"] == suite]
     speeds = [len(r["tokens"]) / r["seconds"] for r in records if r["seconds"] > 0]
     row = {"engine": engine, "suite": suite, "prompts": len(records), "tokens_per_s": statistics.median(speeds),
@@ -365,18 +383,15 @@ def main(argv=None) -> int:
         return 0
     from s3d_jax import checkpoint
 
+    model_dir = args.model or str(checkpoint.ensure_default())
     if any(m in ("s3d", "s3d_sample") for m in args.method_list):
-        config = checkpoint.load_config(args.model) if args.model else checkpoint.load_config(checkpoint.ensure_default())
-        if config.mask_token_id is None:
+        if checkpoint.load_config(model_dir).mask_token_id is None:
             raise BenchError("this model has no mask token row, which S3D needs; convert it with tools/convert_hf.py")
     results = {}
     child_argv = list(argv if argv is not None else sys.argv[1:])
     with tempfile.TemporaryDirectory() as scratch:
         if args.peer_list and not args.hf_model:  # the peers run the very weights under test
-            print("exporting the model to transformers for the peers ...", file=sys.stderr, flush=True)
-            model_dir = args.model or str(checkpoint.ensure_default())
-            subprocess.run([sys.executable, "-m", "s3d_jax.convert", model_dir, f"{scratch}/hf", "--to-hf"], check=True)
-            child_argv += ["--hf-model", f"{scratch}/hf"]
+            child_argv += ["--hf-model", export_for_transformers(model_dir, f"{scratch}/hf")]
         for engine in args.method_list + args.peer_list:
             print(f"running {engine} on {', '.join(f'{len(v)} {k}' for k, v in prompts.items())} prompts ...", file=sys.stderr, flush=True)
             with tempfile.NamedTemporaryFile(suffix=".json") as f:

@@ -126,15 +126,16 @@ def main(argv=None) -> int:
     base = s3d_jax.load(args.model or (args.drafters[0] if args.drafters else None))
     config = base.config
     points = json.loads(Path(args.acceptance).read_text()) if args.acceptance else []
-    drafters = {}
+    drafters, at_max_gamma = {}, {}  # the γ = max run serves both the fit and the sweep
     for path in args.drafters:
         drafter = s3d_jax.load(path)
         if drafter.config.draft_skip is None:
             p.error(f"{path} records no skip range; train it with s3d_jax.train")
-        drafters[tuple(drafter.config.draft_skip)] = drafter
         print(f"measuring acceptance of {path} (skip {drafter.config.draft_skip}) ...", file=sys.stderr)
-        _, hist = measure(drafter, args.questions, args.max_new_tokens, gamma=args.max_gamma)
-        points.append({"skip": list(drafter.config.draft_skip), "acceptance_per_depth": acceptance_per_depth(hist)})
+        skip = tuple(drafter.config.draft_skip)
+        drafters[skip] = drafter
+        at_max_gamma[skip] = measure(drafter, args.questions, args.max_new_tokens, gamma=args.max_gamma)
+        points.append({"skip": list(drafter.config.draft_skip), "acceptance_per_depth": acceptance_per_depth(at_max_gamma[skip][1])})
     for point in points:
         point["r"] = draft_ratio(config, point["skip"])
     c, kappa = fit_first_acceptance([q["r"] for q in points] + [1.0], [q["acceptance_per_depth"][0] for q in points] + [1.0])
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
             plain, _ = measure(drafter, args.questions, args.max_new_tokens, method="ar")
             r = draft_ratio(config, skip)
             for gamma in range(1, args.max_gamma + 1):
-                speed, hist = measure(drafter, args.questions, args.max_new_tokens, gamma=gamma)
+                speed, hist = at_max_gamma[skip] if gamma == args.max_gamma else measure(drafter, args.questions, args.max_new_tokens, gamma=gamma)
                 measured.append({"skip": list(skip), "gamma": gamma, "r": r, "measured_speedup": speed / plain,
                                  "tokens_per_iteration": tokens_per_iteration(hist),
                                  "predicted_speedup": predict_speedup(r, gamma, c, kappa, delta, t, args.epsilon)})

@@ -77,3 +77,9 @@ def test_bench_refuses_s3d_without_a_mask_row(tmp_path):
     result = subprocess.run([sys.executable, "-m", "s3d_jax.bench", "--model", str(tmp_path / "model"), "--suite", "mt_bench", "--limit", "1"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "no mask token row" in result.stderr
+
+
+def test_the_bench_module_leaves_jax_out():
+    """Each transformers peer runs in a process that imports s3d_jax.bench; JAX's own memory must not count against it."""
+    code = "import sys, s3d_jax.bench; sys.exit(int('jax' in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -5,7 +5,8 @@ greedy decoding measured in the same run.
     python tools/bench_decode.py --max-new-tokens 64 --prompts 4 --skip-hf
 
 It measures, each engine in its own process so that peak memory is its own:
-  - s3d_jax plain greedy against transformers' PyTorch greedy `generate` on the same chat prompts;
+  - s3d_jax plain greedy against transformers' PyTorch greedy `generate` on the same chat prompts
+    and the same weights (exported with `tools/convert_hf.py --to-hf`);
   - the cost of one pass: a plain step, an S3D draft pass for several γ, a verify pass of γ+1 tokens;
   - tokens/s of each method (ar, selfspec, s3d) with tokens per iteration and acceptance per depth.
 Results go to results/bench_decode.{json,md,png}.
@@ -15,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from s3d_jax.bench import export_for_transformers, load_transformers, peak_rss_mib
 
 PROMPTS = [
     "What is the capital of France?",
@@ -33,10 +34,6 @@ PROMPTS = [
     "Write a short poem about the sea.",
     "How do I make a cup of green tea?",
 ]
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_jax(args) -> dict:
@@ -86,14 +83,8 @@ def run_jax(args) -> dict:
 
 def run_hf(args) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from s3d_jax.convert import bundled_gguf_path
-
-    torch.set_num_threads(os.cpu_count())
-    gguf = bundled_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model, tokenizer = load_transformers(args.hf_model)
     prompts = PROMPTS[: args.prompts]
 
     def generate(prompt):
@@ -179,6 +170,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="results")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--engine", choices=("jax", "hf"), help=argparse.SUPPRESS)
+    p.add_argument("--hf-model", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -189,12 +181,17 @@ def main(argv=None) -> int:
         result = run_jax(args) if args.engine == "jax" else run_hf(args)
         Path(args.json).write_text(json.dumps(result))
         return 0
+    from s3d_jax import checkpoint
+
     results = {}
-    for engine in ("jax",) + (() if args.skip_hf else ("hf",)):
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            argv_child = [a for a in (argv if argv is not None else sys.argv[1:])]
-            subprocess.run([sys.executable, __file__, *argv_child, "--engine", engine, "--json", f.name], check=True)
-            results[engine] = json.loads(Path(f.name).read_text())
+    argv_child = list(argv if argv is not None else sys.argv[1:])
+    with tempfile.TemporaryDirectory() as scratch:
+        if not args.skip_hf:  # transformers runs the very weights under test
+            argv_child += ["--hf-model", export_for_transformers(args.model or str(checkpoint.ensure_default()), f"{scratch}/hf")]
+        for engine in ("jax",) + (() if args.skip_hf else ("hf",)):
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                subprocess.run([sys.executable, __file__, *argv_child, "--engine", engine, "--json", f.name], check=True)
+                results[engine] = json.loads(Path(f.name).read_text())
     table = render(results["jax"], results.get("hf"), args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
