@@ -4,7 +4,15 @@ import importlib
 
 # Loaded on first use, so that `import s3d_jax.bench` in a transformers-only process (a benchmark
 # peer) does not pull in JAX and count its memory against the peer.
-_HOMES = {"decode": "api", "load": "api", "logits": "api", "stream": "api", "Model": "checkpoint", "ModelConfig": "config"}
+_HOMES = {
+    "decode": "api",
+    "load": "api",
+    "logits": "api",
+    "stream": "api",
+    "DecodeOptions": "options",
+    "Model": "checkpoint",
+    "ModelConfig": "config",
+}
 
 __all__ = sorted(_HOMES)
 

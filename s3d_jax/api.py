@@ -1,4 +1,4 @@
-"""The public Python API: `load`, `logits`, `decode`."""
+"""The public Python API: `load`, `logits`, `decode`, `stream`."""
 
 from __future__ import annotations
 
@@ -7,22 +7,24 @@ import functools
 import os
 import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import checkpoint, decoding
-from s3d_jax.cache import KVCache, cached_forward
+from s3d_jax import bundled, checkpoint, decoding
 from s3d_jax.checkpoint import Model
-from s3d_jax.config import ModelConfig, validate_skip
-from s3d_jax.model import lm_logits
+from s3d_jax.config import ConfigError, ModelConfig, validate_skip
+from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
+from s3d_jax.model import full_pass, lm_logits
+from s3d_jax.options import DEFAULT_GAMMA, DecodeOptions, default_skip
 from s3d_jax.sampling import Sampling
-from s3d_jax.speculative import METHODS, Plan
+from s3d_jax.speculative import Plan
 
 
 def load(path: str | os.PathLike | None = None, dtype: str | None = None) -> Model:
     """Loads a converted model; with no path, the bundled SmolLM2-135M-Instruct (converted on first use)."""
-    return checkpoint.load_default(dtype) if path is None else checkpoint.load(path, dtype)
+    return bundled.load(dtype) if path is None else checkpoint.load(path, dtype)
 
 
 def check_token_ids(token_ids: np.ndarray, config: ModelConfig) -> None:
@@ -35,8 +37,7 @@ def check_token_ids(token_ids: np.ndarray, config: ModelConfig) -> None:
 
 @functools.partial(jax.jit, static_argnames="config")
 def _full_logits(params, config: ModelConfig, token_ids_BT):
-    cache = KVCache.zeros(config, token_ids_BT.shape[0], 0)
-    hidden, _ = cached_forward(params, config, cache, token_ids_BT, config.all_layers, write=False)
+    hidden, _ = full_pass(params, config, token_ids_BT)
     return lm_logits(params, config, hidden)
 
 
@@ -48,36 +49,17 @@ def logits(model: Model, token_ids) -> jax.Array:
     if token_ids.ndim != 2:
         raise ValueError(f"token_ids must be [time] or [batch, time], got shape {token_ids.shape}")
     check_token_ids(token_ids, model.config)
-    return _full_logits(model.params, model.config, jnp.asarray(token_ids, jnp.int32))
+    out = _full_logits(model.params, model.config, jnp.asarray(token_ids, jnp.int32))
+    chex.assert_shape(out, (*token_ids.shape, model.config.vocab_size))
+    return out
 
 
 # ---------------------------------------------------------------- decoding
-
-DEFAULT_GAMMA = 4
-
-
-def default_skip(num_layers: int) -> tuple[int, int]:
-    """About half of the layers, centred: the paper's best region."""
-    low = num_layers // 4
-    return low, low + num_layers // 2 - 1
 
 
 def bucket(n: int, minimum: int = 16) -> int:
     """Pads lengths to powers of two so that a new length seldom compiles again."""
     return max(minimum, 1 << (n - 1).bit_length())
-
-
-def tokens_per_iteration(histogram) -> float:
-    """E from a histogram over k = 0..γ accepted drafts: each iteration emits k + 1 tokens."""
-    hist = np.asarray(histogram)
-    return float(np.dot(hist, np.arange(1, len(hist) + 1)) / max(hist.sum(), 1))
-
-
-def acceptance_per_depth(histogram) -> list[float]:
-    """α_j from a histogram over k = 0..γ: the chance that draft j is accepted given 1..j-1 were."""
-    hist = np.asarray(histogram)
-    reached = np.cumsum(hist[::-1])[::-1]  # reached[j] = iterations with k >= j
-    return [float(reached[j + 1] / reached[j]) if reached[j] else float("nan") for j in range(len(hist) - 1)]
 
 
 @dataclasses.dataclass
@@ -152,56 +134,59 @@ def _encode(model: Model, prompt, chat: bool) -> tuple[list[list[int]], bool]:
     raise ValueError(f"unsupported prompt type {type(prompt).__name__}: give text, chat messages or token ids")
 
 
-def _model(params, config) -> Model:
-    if isinstance(params, Model):
-        return params
-    if config is None:
-        return checkpoint.resolve(params)
-    return Model(params, config)
+def resolve(model, config: ModelConfig | None = None) -> Model:
+    """A Model from a Model, a path, None (the bundled default), or raw params with their config."""
+    if isinstance(model, Model):
+        return model
+    if config is not None:
+        return Model(model, config)
+    if model is None or isinstance(model, (str, os.PathLike)):
+        return load(model)
+    raise ConfigError(f"expected a Model from s3d_jax.load, a path, or None; got {type(model).__name__} (raw params need config=)")
 
 
-def prepare(
-    params,
-    prompt,
-    *,
-    config: ModelConfig | None = None,
-    method: str = "s3d",
-    gamma: int | None = None,
-    skip: tuple[int, int] | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    chat: bool = False,
-    eos_token_ids=None,
-    max_len: int | None = None,
-) -> tuple[Model, decoding.Run, bool]:
-    """Validates a decode request and builds its plan and padded inputs (nothing runs yet)."""
-    model = _model(params, config)
+def options_from(options: DecodeOptions | None, overrides: dict) -> DecodeOptions:
+    """`options` (default DecodeOptions()) with keyword overrides, e.g. `decode(m, p, method="ar")`."""
+    options = options or DecodeOptions()
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(DecodeOptions)})
+    if unknown:
+        raise TypeError(f"unknown decode option {unknown[0]!r}; see s3d_jax.DecodeOptions")
+    return options.replace(**overrides) if overrides else options
+
+
+def plan_for(config: ModelConfig, options: DecodeOptions) -> Plan:
+    """The static plan: method, γ and skip (options, else the checkpoint's drafter, else defaults)."""
+    sampling = Sampling(options.temperature, options.top_k, options.top_p)
+    if options.method == "ar":
+        return Plan.make(config, "ar", 0, None, sampling)
+    gamma = (config.draft_gamma or DEFAULT_GAMMA) if options.gamma is None else options.gamma
+    skip = validate_skip((config.draft_skip or default_skip(config.num_layers)) if options.skip is None else options.skip, config.num_layers)
+    if int(gamma) < 1:
+        raise ValueError(f"gamma must be >= 1 for method {options.method!r}, got {gamma}")
+    if options.method == "s3d" and config.mask_token_id is None:
+        raise ValueError("this checkpoint has no mask token row (mask_token_id is unset): S3D drafting needs one; convert it again with tools/convert_hf.py")
+    return Plan.make(config, options.method, gamma, skip, sampling)
+
+
+def prepare(params, prompt, options: DecodeOptions | None = None, *, config: ModelConfig | None = None, **overrides) -> tuple[Model, decoding.Run, bool]:
+    """Validates a decode request and builds its plan and padded inputs (nothing runs yet).
+    Returns (model, run, whether the prompt was a batch)."""
+    options = options_from(options, overrides)
+    model = resolve(params, config)
     cfg = model.config
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if method == "ar":
-        gamma, skip = 0, None
-    else:
-        gamma = (cfg.draft_gamma or DEFAULT_GAMMA) if gamma is None else gamma
-        skip = validate_skip((cfg.draft_skip or default_skip(cfg.num_layers)) if skip is None else skip, cfg.num_layers)
-        if int(gamma) < 1:
-            raise ValueError(f"gamma must be >= 1 for method {method!r}, got {gamma}")
-        if method == "s3d" and cfg.mask_token_id is None:
-            raise ValueError("this checkpoint has no mask token row (mask_token_id is unset): S3D drafting needs one; convert it again with tools/convert_hf.py")
+    plan = plan_for(cfg, options)
+    max_new_tokens = options.max_new_tokens
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    plan = Plan(method, int(gamma), cfg.draft_layers(skip) if skip else (), Sampling(temperature, top_k, top_p))
 
-    ids, batched = _encode(model, prompt, chat)
+    ids, batched = _encode(model, prompt, options.chat)
     for row in ids:
         check_token_ids(np.asarray(row), cfg)
     lengths = np.array([len(row) for row in ids])
     padded_len = bucket(int(lengths.max()))
     needed = int(lengths.max()) + max_new_tokens + plan.gamma
     limit = cfg.max_position_embeddings
+    max_len = options.max_len
     if max_len is None:
         max_len = min(bucket(max(needed, padded_len), minimum=128), max(limit, needed))
     if needed > max_len or needed > limit:
@@ -213,11 +198,12 @@ def prepare(
     prompts = np.zeros((len(ids), padded_len), np.int32)
     for b, row in enumerate(ids):
         prompts[b, : len(row)] = row
+    eos_token_ids = options.eos_token_ids
     if eos_token_ids is None:
         eos_token_ids = set(cfg.eos_token_ids)
         if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
             eos_token_ids.add(model.tokenizer.eos_token_id)
-    run = decoding.Run(model.params, cfg, plan, prompts, lengths, max_new_tokens, tuple(sorted(eos_token_ids)), seed, max_len)
+    run = decoding.Run(model.params, cfg, plan, prompts, lengths, max_new_tokens, tuple(sorted(eos_token_ids)), options.seed, max_len)
     return model, run, batched
 
 
@@ -232,7 +218,7 @@ def _output(model: Model, run: decoding.Run, state, batched: bool, seconds: floa
     stats = DecodeStats(
         method=run.plan.method,
         gamma=run.plan.gamma,
-        skip=_skip_of(run),
+        skip=run.plan.skip,
         generated_tokens=[len(t) for t in tokens],
         iterations=iterations.tolist(),
         accept_histogram=hist.tolist(),
@@ -247,18 +233,14 @@ def _output(model: Model, run: decoding.Run, state, batched: bool, seconds: floa
     return DecodeOutput(tokens, text, stats)
 
 
-def _skip_of(run: decoding.Run):
-    skipped = sorted(set(run.config.all_layers) - set(run.plan.draft_layers))
-    return (skipped[0], skipped[-1]) if run.plan.draft_layers else None
-
-
-def decode(params, prompt, **options) -> DecodeOutput:
+def decode(params, prompt, options: DecodeOptions | None = None, *, config: ModelConfig | None = None, **overrides) -> DecodeOutput:
     """Decodes `prompt` speculatively (default S3D) or plainly (`method="ar"`).
 
-    `params` is a Model from `s3d_jax.load`, a path, or raw params with `config=`. `prompt` is text,
-    chat messages, token ids, or a list of those (a batch). See `prepare` for the options.
+    `params` is a Model from `s3d_jax.load`, a path, None (the bundled model), or raw params with
+    `config=`. `prompt` is text, chat messages, token ids, or a list of those (a batch). `options` is
+    a DecodeOptions; keyword overrides change single fields of it (`method="ar"`, `gamma=3`, ...).
     """
-    model, run, batched = prepare(params, prompt, **options)
+    model, run, batched = prepare(params, prompt, options, config=config, **overrides)
     run.compile()  # before the clock: compile time is reported apart
     start = time.perf_counter()
     state = run.advance(run.start(), np.iinfo(np.int32).max)
@@ -266,10 +248,10 @@ def decode(params, prompt, **options) -> DecodeOutput:
     return _output(model, run, state, batched, time.perf_counter() - start)
 
 
-def stream(params, prompt, *, chunk_iterations: int = 8, **options):
+def stream(params, prompt, options: DecodeOptions | None = None, *, chunk_iterations: int = 8, config: ModelConfig | None = None, **overrides):
     """Like `decode`, but yields each row's tokens so far after every `chunk_iterations` iterations,
     then the final DecodeOutput. The loop runs on the device between yields."""
-    model, run, batched = prepare(params, prompt, **options)
+    model, run, batched = prepare(params, prompt, options, config=config, **overrides)
     run.compile()  # before the clock: compile time is reported apart
     start = time.perf_counter()
     state = run.start()

@@ -381,9 +381,9 @@ def main(argv=None) -> int:
         fn = run_peer if args.engine in PEERS else run_method
         Path(args.json).write_text(json.dumps(fn(args, args.engine, prompts)))
         return 0
-    from s3d_jax import checkpoint
+    from s3d_jax import bundled, checkpoint
 
-    model_dir = args.model or str(checkpoint.ensure_default())
+    model_dir = args.model or str(bundled.ensure_converted())
     if any(m in ("s3d", "s3d_sample") for m in args.method_list):
         if checkpoint.load_config(model_dir).mask_token_id is None:
             raise BenchError("this model has no mask token row, which S3D needs; convert it with tools/convert_hf.py")

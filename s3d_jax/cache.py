@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from s3d_jax.config import ModelConfig
-from s3d_jax.model import run_layers, window_mask
+from s3d_jax.model import causal_mask, full_pass, run_layers, window_mask
 
 
 @flax.struct.dataclass
@@ -57,15 +57,7 @@ def attention_masks(lengths_B, block_len: int, max_len: int, sliding_window: int
     q_pos_BT1 = (lengths_B[:, None] + t[None, :])[:, :, None]
     s = jnp.arange(max_len)
     context_BTS = (s[None, None, :] < lengths_B[:, None, None]) & window_mask(q_pos_BT1, s[None, None, :], sliding_window)
-    block_TT = (t[:, None] >= t[None, :]) & window_mask(t[:, None], t[None, :], sliding_window)
-    return context_BTS, jnp.broadcast_to(block_TT, (len(lengths_B), block_len, block_len))
-
-
-def _forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], draft: bool):
-    T = tokens_BT.shape[1]
-    context_mask, block_mask = attention_masks(cache.lengths, T, cache.max_len, config.sliding_window)
-    contexts = [(cache.keys[i], cache.values[i]) for i in layers]
-    return run_layers(params, config, tokens_BT, cache.block_positions(T), contexts, context_mask, block_mask, layers, draft)
+    return context_BTS, jnp.broadcast_to(causal_mask(block_len, sliding_window), (len(lengths_B), block_len, block_len))
 
 
 def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], write: bool, draft: bool = False):
@@ -74,7 +66,10 @@ def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layer
     With `write`, the block's keys and values are stored; `cache.lengths` never moves here:
     the caller advances it by however many tokens it keeps.
     """
-    hidden, block_kvs = _forward(params, config, cache, tokens_BT, layers, draft)
+    T = tokens_BT.shape[1]
+    context_mask, block_mask = attention_masks(cache.lengths, T, cache.max_len, config.sliding_window)
+    contexts = [(cache.keys[i], cache.values[i]) for i in layers]
+    hidden, block_kvs = run_layers(params, config, tokens_BT, cache.block_positions(T), contexts, context_mask, block_mask, layers, draft)
     if write:
         cache = cache.write(layers, block_kvs)
     return hidden, cache
@@ -84,6 +79,5 @@ def prompt_forward(params, config: ModelConfig, tokens_BT, max_len: int):
     """The prompt pass: the full model over `tokens` with nothing before them; returns (hidden states,
     a new cache of `max_len` positions holding their keys and values, `lengths` still 0). The context
     segment is empty rather than an all-zero cache, which XLA would spend seconds constant-folding."""
-    B = tokens_BT.shape[0]
-    hidden, block_kvs = _forward(params, config, KVCache.zeros(config, B, 0), tokens_BT, config.all_layers, False)
-    return hidden, KVCache.zeros(config, B, max_len).write(config.all_layers, block_kvs)
+    hidden, block_kvs = full_pass(params, config, tokens_BT)
+    return hidden, KVCache.zeros(config, tokens_BT.shape[0], max_len).write(config.all_layers, block_kvs)

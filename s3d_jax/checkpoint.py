@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from s3d_jax.config import ConfigError, ModelConfig
+from s3d_jax.config import ModelConfig
 from s3d_jax.model import abstract_params
 
 CONFIG_FILE = "s3d_config.json"
@@ -114,38 +114,3 @@ def _check_tree(actual, expected, where) -> None:
             raise CheckpointError(f"{where}: parameter {name} has shape {tuple(got.shape)}, the config implies {tuple(want.shape)}")
         if np.dtype(got.dtype) != np.dtype(want.dtype):
             raise CheckpointError(f"{where}: parameter {name} has dtype {got.dtype}, the config says {want.dtype}")
-
-
-def default_model_dir() -> Path:
-    root = os.environ.get("S3D_JAX_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "s3d_jax"
-    return Path(root) / "SmolLM2-135M-Instruct"
-
-
-def ensure_default() -> Path:
-    """The bundled SmolLM2-135M-Instruct's converted directory, converting its GGUF on first use."""
-    target = default_model_dir()
-    if not (target / CONFIG_FILE).exists():
-        from s3d_jax.convert import bundled_gguf_path, convert
-
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        convert(bundled_gguf_path(), tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def load_default(dtype: str | None = None) -> Model:
-    return load(ensure_default(), dtype)
-
-
-def resolve(model) -> Model:
-    """Accepts a Model, a path, or None (the bundled default)."""
-    if isinstance(model, Model):
-        return model
-    if model is None:
-        return load_default()
-    if isinstance(model, (str, os.PathLike)):
-        return load(model)
-    raise ConfigError(f"expected a Model from s3d_jax.load, a path, or None; got {type(model).__name__}")

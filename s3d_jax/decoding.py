@@ -19,7 +19,8 @@ import numpy as np
 from s3d_jax.cache import KVCache, prompt_forward
 from s3d_jax.config import ModelConfig
 from s3d_jax.sampling import choose
-from s3d_jax.speculative import Plan, accept, draft, head_logits, verify
+from s3d_jax.model import head_logits
+from s3d_jax.speculative import Plan, accept, draft, verify
 
 
 @flax.struct.dataclass
@@ -134,7 +135,8 @@ def compile_count() -> int:
 
 @dataclasses.dataclass
 class Run:
-    """A prepared decode: static plan, padded prompts and sizes; `compile` builds its two executables."""
+    """A prepared decode: static plan, padded prompts and sizes. Its two executables are compiled on
+    first use (or by `compile`, to keep compile time off a clock)."""
 
     params: object
     config: ModelConfig
@@ -146,6 +148,7 @@ class Run:
     seed: int
     max_len: int
     compile_seconds: float = 0.0
+    _executables: tuple | None = dataclasses.field(default=None, repr=False)
 
     def _prefill_args(self):
         return (
@@ -158,16 +161,21 @@ class Run:
         )
 
     def compile(self) -> None:
+        if self._executables is not None:
+            return
         statics = dict(config=self.config, plan=self.plan)
         args = self._prefill_args()
-        self._prefill, prefill_seconds = compiled(_prefill_jit, *args, **statics, max_len=self.max_len)
+        prefill_exe, prefill_seconds = compiled(_prefill_jit, *args, **statics, max_len=self.max_len)
         state = jax.eval_shape(functools.partial(prefill, **statics, max_len=self.max_len), *args)
         stop = jax.ShapeDtypeStruct((), jnp.int32)
-        self._advance, advance_seconds = compiled(_advance_jit, self.params, state, stop, **statics)
+        advance_exe, advance_seconds = compiled(_advance_jit, self.params, state, stop, **statics)
+        self._executables = (prefill_exe, advance_exe)
         self.compile_seconds = prefill_seconds + advance_seconds
 
     def start(self) -> DecodeState:
-        return self._prefill(*self._prefill_args())
+        self.compile()
+        return self._executables[0](*self._prefill_args())
 
     def advance(self, state: DecodeState, stop_iteration: int) -> DecodeState:
-        return self._advance(self.params, state, jnp.asarray(stop_iteration, jnp.int32))
+        self.compile()
+        return self._executables[1](self.params, state, jnp.asarray(stop_iteration, jnp.int32))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from s3d_jax import options
 from s3d_jax.api import DecodeOutput, load, stream
-from s3d_jax.speculative import METHODS
 
 
 def parse_args(argv=None):
@@ -18,14 +18,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--model", default=None, help="converted model directory (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--method", choices=METHODS, default="s3d")
-    p.add_argument("--gamma", type=int, default=None, help="draft tokens per iteration (default: checkpoint's, else 4)")
-    p.add_argument("--skip", type=int, nargs=2, metavar=("L", "H"), default=None, help="inclusive range of skipped layers")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    options.add_arguments(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--chunk", type=int, default=4, help="iterations between streamed updates")
     return p.parse_args(argv)
@@ -35,20 +28,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         model = load(args.model, dtype=args.dtype)
-        chunks = stream(
-            model,
-            args.prompt,
-            chat=args.chat,
-            method=args.method,
-            gamma=args.gamma,
-            skip=tuple(args.skip) if args.skip else None,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            chunk_iterations=args.chunk,
-        )
+        chunks = stream(model, args.prompt, options.DecodeOptions.from_args(args), chunk_iterations=args.chunk)
         shown = ""
         for chunk in chunks:
             if isinstance(chunk, DecodeOutput):

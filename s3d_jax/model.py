@@ -186,21 +186,29 @@ class Transformer(nn.Module):
         head_DV = self.embedding.T if self.config.tie_embeddings else self.lm_head
         return jnp.einsum("btd,dv->btv", hidden_BTD, head_DV, preferred_element_type=jnp.float32)
 
+    def full(self, tokens_BT, positions_BT, mask_BTT):
+        """All layers over `tokens` with nothing before them (prompt pass, training target, `logits`)."""
+        c = self.config
+        B = tokens_BT.shape[0]
+        empty = jnp.zeros((B, 0, c.num_kv_heads, c.head_dim), self.embedding.dtype)
+        return self(tokens_BT, positions_BT, [(empty, empty)] * c.num_layers, jnp.zeros((*mask_BTT.shape[:2], 0), bool), mask_BTT, c.all_layers)
+
     def init_all(self, tokens_BT):
         """Touches every parameter, for `init`."""
-        c = self.config
-        B, T = tokens_BT.shape
-        empty = jnp.zeros((B, 0, c.num_kv_heads, c.head_dim), c.jnp_dtype)
-        positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-        hidden, _ = self(
-            tokens_BT,
-            positions,
-            [(empty, empty)] * c.num_layers,
-            jnp.zeros((B, T, 0), bool),
-            jnp.tril(jnp.ones((B, T, T), bool)),
-            c.all_layers,
-        )
+        hidden, _ = self.full(tokens_BT, *causal_inputs(tokens_BT, self.config.sliding_window))
         return self.logits(hidden)
+
+
+def causal_inputs(tokens_BT, sliding_window: int | None):
+    """Positions `0 .. T-1` and the causal (windowed) mask of one unpadded sequence per row."""
+    B, T = tokens_BT.shape
+    return jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.broadcast_to(causal_mask(T, sliding_window), (B, T, T))
+
+
+def causal_mask(T: int, sliding_window: int | None):
+    """`[T, T]`: each position sees itself and the positions before it, within the window."""
+    t = jnp.arange(T)
+    return (t[:, None] >= t[None, :]) & window_mask(t[:, None], t[None, :], sliding_window)
 
 
 def init_params(config: ModelConfig, rng: jax.Array):
@@ -220,5 +228,20 @@ def run_layers(params, config: ModelConfig, tokens_BT, positions_BT, context_kvs
     )
 
 
+def full_pass(params, config: ModelConfig, tokens_BT, positions_BT=None, mask_BTT=None):
+    """The full model with no context: (final hidden states, every layer's keys and values).
+    Positions and mask default to one causal sequence per row."""
+    if positions_BT is None:
+        positions_BT, mask_BTT = causal_inputs(tokens_BT, config.sliding_window)
+    return Transformer(config).apply({"params": params}, tokens_BT, positions_BT, mask_BTT, method=Transformer.full)
+
+
 def lm_logits(params, config: ModelConfig, hidden_BTD):
+    """Float32 logits over every row of the vocabulary, the mask row included."""
     return Transformer(config).apply({"params": params}, hidden_BTD, method=Transformer.logits)
+
+
+def head_logits(params, config: ModelConfig, hidden_BTD):
+    """Float32 logits with the mask token's forced to -inf: drafts and outputs never produce it."""
+    logits = lm_logits(params, config, hidden_BTD)
+    return logits if config.mask_token_id is None else logits.at[..., config.mask_token_id].set(NEG_INF)

@@ -1,4 +1,4 @@
-"""The S3D training objective (method.md, "Training objective"), made exact.
+"""The S3D training objective (docs/design.md, "Training objective"), made exact.
 
 One sequence is processed in parallel:
   1. choose masked positions (span or independent); masked inputs become `<M>`;
@@ -20,8 +20,7 @@ import numpy as np
 import optax
 
 from s3d_jax.config import ModelConfig
-from s3d_jax.model import lm_logits, run_layers, window_mask
-from s3d_jax.sampling import suppress
+from s3d_jax.model import full_pass, head_logits, lm_logits, run_layers, window_mask
 
 MASKINGS = ("span", "iid")
 LOSS_POSITIONS = ("anchors", "unmasked")
@@ -86,13 +85,9 @@ def _same_segment_window(batch: Batch, config: ModelConfig):
 
 def target_pass(params, config: ModelConfig, batch: Batch):
     """Full model over the clean sequence: final hidden states and every layer's keys and values."""
-    B, T = batch.tokens.shape
-    empty = jnp.zeros((B, 0, config.num_kv_heads, config.head_dim), params["embed"].dtype)
+    T = batch.tokens.shape[1]
     causal = (jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]) & _same_segment_window(batch, config)
-    return run_layers(
-        params, config, batch.tokens, batch.positions, [(empty, empty)] * config.num_layers,
-        jnp.zeros((B, T, 0), bool), causal, config.all_layers,
-    )
+    return full_pass(params, config, batch.tokens, batch.positions, causal)
 
 
 def draft_pass(params, config: ModelConfig, objective: Objective, batch: Batch, masked_BT, target_kvs):
@@ -109,7 +104,7 @@ def draft_pass(params, config: ModelConfig, objective: Objective, batch: Batch, 
         params, config, draft_tokens, batch.positions, [target_kvs[i] for i in layers],
         context_mask, block_mask, layers, draft=True,
     )
-    return suppress(lm_logits(params, config, hidden), config.mask_token_id), anchor
+    return head_logits(params, config, hidden), anchor
 
 
 def next_token_targets(batch: Batch):

@@ -32,11 +32,6 @@ class Sampling:
         return self.temperature == 0.0
 
 
-def suppress(logits, token_id: int | None):
-    """Forces one token's logit (the S3D mask token) to -inf so it is never produced."""
-    return logits if token_id is None else logits.at[..., token_id].set(NEG_INF)
-
-
 def log_probs(logits, sampling: Sampling):
     """Log-probabilities after temperature, top-k and top-p (removed tokens get -inf)."""
     logits = logits.astype(jnp.float32) / sampling.temperature

@@ -1,4 +1,4 @@
-"""Drafting and verification: one speculative iteration, as method.md states it.
+"""Drafting and verification: one speculative iteration, as docs/design.md states it.
 
 The cache holds full-model keys and values for positions `[0, n)`; `x_n` is known but not cached.
   draft   propose `d_1 .. d_γ` from the draft layers (all layers outside the skip range)
@@ -21,25 +21,24 @@ import jax.numpy as jnp
 
 from s3d_jax.cache import KVCache, cached_forward
 from s3d_jax.config import ModelConfig
-from s3d_jax.model import lm_logits
-from s3d_jax.sampling import Sampling, choose, log_probs, suppress
-
-METHODS = ("ar", "s3d", "selfspec")
+from s3d_jax.model import head_logits
+from s3d_jax.sampling import Sampling, choose, log_probs
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Static description of how one iteration drafts and samples."""
+    """Static description of how one iteration drafts and samples (hashable: a jit static)."""
 
     method: str
     gamma: int
+    skip: tuple[int, int] | None  # inclusive range of layers the draft skips; None for "ar"
     draft_layers: tuple[int, ...]
     sampling: Sampling
 
-
-def head_logits(params, config: ModelConfig, hidden_BTD):
-    """Float32 logits with the mask token suppressed: it is never produced."""
-    return suppress(lm_logits(params, config, hidden_BTD), config.mask_token_id)
+    @classmethod
+    def make(cls, config: ModelConfig, method: str, gamma: int = 0, skip=None, sampling: Sampling = Sampling()) -> Plan:
+        draft_layers = config.draft_layers(skip) if skip is not None else ()
+        return cls(method, int(gamma), None if skip is None else tuple(skip), draft_layers, sampling)
 
 
 def draft_s3d(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng):

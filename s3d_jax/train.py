@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from s3d_jax import checkpoint, data
+from s3d_jax import bundled, checkpoint, data
 from s3d_jax.checkpoint import CheckpointError, Model
 from s3d_jax.config import ConfigError, ModelConfig, validate_skip
 from s3d_jax.model import abstract_params, init_params
@@ -117,12 +117,12 @@ def objective_from(cfg: ml_collections.ConfigDict, num_layers: int) -> Objective
 def load_base_model(cfg: ml_collections.ConfigDict) -> Model:
     """The model to train: a converted checkpoint, the bundled SmolLM2, or a random one (`model_path: ''`)."""
     if cfg.model_path == "bundled":
-        model = checkpoint.load_default()
+        model = bundled.load()
     elif cfg.model_path:
         model = checkpoint.load(cfg.model_path)
     else:
         config = model_config_from(cfg)
-        tokenizer = checkpoint.load_tokenizer(checkpoint.ensure_default()) if cfg.tokenizer == "bundled" else None
+        tokenizer = bundled.tokenizer() if cfg.tokenizer == "bundled" else None
         if cfg.tokenizer and cfg.tokenizer != "bundled":
             tokenizer = checkpoint.load_tokenizer(Path(cfg.tokenizer))
         model = Model(init_params(config, jax.random.key(cfg.train.seed)), config, tokenizer)
@@ -520,7 +520,7 @@ def export(params, config: ModelConfig, objective: Objective, tokenizer, out: Pa
 
 def _tokenizer(cfg):
     if cfg.model_path == "bundled" or (not cfg.model_path and cfg.tokenizer == "bundled"):
-        return checkpoint.load_tokenizer(checkpoint.ensure_default())
+        return bundled.tokenizer()
     return checkpoint.load_tokenizer(Path(cfg.model_path or cfg.tokenizer))
 
 

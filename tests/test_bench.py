@@ -8,7 +8,7 @@ import sys
 import pytest
 from reference import tiny_model
 
-from s3d_jax import checkpoint
+from s3d_jax import bundled, checkpoint
 from s3d_jax.bench import expected_tokens, humaneval_completion, memory_normalised_speedup, pass_at_1, rouge
 
 
@@ -43,7 +43,7 @@ def test_humaneval_harness_runs_completions():
 
 def test_bench_smoke_on_a_tiny_model(tmp_path):
     model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, hidden_size=32, intermediate_size=64, head_dim=8)
-    tokenizer = checkpoint.load_tokenizer(checkpoint.ensure_default())
+    tokenizer = bundled.tokenizer()
     checkpoint.save(tmp_path / "model", model.params, model.config.replace(eos_token_ids=(2,)), tokenizer)
     out = tmp_path / "bench"
     result = subprocess.run(

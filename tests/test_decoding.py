@@ -127,7 +127,7 @@ def test_draft_pass_equals_plain_recompute(model, gamma, skip):
     cache = KVCache.zeros(config, 1, 32)
     _, cache = cached_forward(model.params, config, cache, jnp.asarray([prefix]), config.all_layers, True)
     cache = cache.replace(lengths=jnp.asarray([len(prefix)]))
-    plan = Plan("s3d", gamma, config.draft_layers(skip), Sampling())
+    plan = Plan.make(config, "s3d", gamma, skip)
     _, draft_logits, after = draft_s3d(model.params, config, plan, cache, jnp.asarray([x_n]), jax.random.key(0))
     block = [x_n] + [config.mask_token_id] * (gamma - 1)
     reference = numpy_logits(model, prefix + block, layers=config.draft_layers(skip), frozen_prefix=len(prefix))
@@ -153,14 +153,15 @@ def test_mask_token_is_never_produced():
 
 def _target_joint(model, prompt, sampling, depth=3):
     """Exact distribution of the first `depth` sampled tokens under the target model."""
-    from s3d_jax.sampling import log_probs, suppress
+    from s3d_jax.model import NEG_INF
+    from s3d_jax.sampling import log_probs
 
     V = model.config.vocab_size
     joint = {(): 1.0}
     for _ in range(depth):
         prefixes = list(joint)
         seqs = np.asarray([prompt + list(p) for p in prefixes])
-        logits = suppress(s3d_jax.logits(model, seqs)[:, -1], model.config.mask_token_id)
+        logits = s3d_jax.logits(model, seqs)[:, -1].at[:, model.config.mask_token_id].set(NEG_INF)
         probs = np.exp(np.asarray(log_probs(logits, sampling), np.float64))
         joint = {p + (t,): joint[p] * probs[i, t] for i, p in enumerate(prefixes) for t in range(V) if probs[i, t] > 0}
     return joint

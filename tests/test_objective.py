@@ -8,7 +8,6 @@ from reference import tiny_model
 
 from s3d_jax.cache import KVCache, cached_forward
 from s3d_jax.objective import Batch, Objective, anchors_of, choose_masks, draft_pass, loss_fn, target_pass
-from s3d_jax.sampling import Sampling
 from s3d_jax.speculative import Plan, draft_s3d
 
 
@@ -40,7 +39,7 @@ def test_training_draft_pass_matches_inference(gamma, skip, lora):
     train_logits, anchor = draft_pass(model.params, config, objective, batch, masked, target_kvs)
     anchors = sorted(set(np.asarray(anchor)[0].tolist()))
     assert len(anchors) >= T // gamma
-    plan = Plan("s3d", gamma, config.draft_layers(skip), Sampling())
+    plan = Plan.make(config, "s3d", gamma, skip)
     for n in anchors:
         if n == 0 or n + gamma > T:
             continue

@@ -53,7 +53,7 @@ def test_cli_sweep_on_tiny_drafters(tmp_path):
 
     from s3d_jax import checkpoint
 
-    tokenizer = checkpoint.load_tokenizer(checkpoint.ensure_default())
+    tokenizer = bundled.tokenizer()
     model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, num_layers=6, hidden_size=32, intermediate_size=64, head_dim=8)
     drafters = []
     for skip in [(2, 3), (1, 4)]:

