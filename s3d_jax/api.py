@@ -160,15 +160,21 @@ def plan_for(config: ModelConfig, options: DecodeOptions) -> Plan:
     if options.method == "ar":
         return Plan.make(config, "ar", 0, None, sampling)
     gamma = (config.draft_gamma or DEFAULT_GAMMA) if options.gamma is None else options.gamma
-    skip = validate_skip((config.draft_skip or default_skip(config.num_layers)) if options.skip is None else options.skip, config.num_layers)
+    skip = options.skip if options.skip is not None else config.draft_skip or default_skip(config.num_layers)
+    skip = validate_skip(skip, config.num_layers)
     if int(gamma) < 1:
         raise ValueError(f"gamma must be >= 1 for method {options.method!r}, got {gamma}")
     if options.method == "s3d" and config.mask_token_id is None:
-        raise ValueError("this checkpoint has no mask token row (mask_token_id is unset): S3D drafting needs one; convert it again with tools/convert_hf.py")
+        raise ValueError(
+            "this checkpoint has no mask token row (mask_token_id is unset): S3D drafting needs one; "
+            "convert it again with tools/convert_hf.py"
+        )
     return Plan.make(config, options.method, gamma, skip, sampling)
 
 
-def prepare(params, prompt, options: DecodeOptions | None = None, *, config: ModelConfig | None = None, **overrides) -> tuple[Model, decoding.Run, bool]:
+def prepare(
+    params, prompt, options: DecodeOptions | None = None, *, config: ModelConfig | None = None, **overrides
+) -> tuple[Model, decoding.Run, bool]:
     """Validates a decode request and builds its plan and padded inputs (nothing runs yet).
     Returns (model, run, whether the prompt was a batch)."""
     options = options_from(options, overrides)
@@ -248,7 +254,9 @@ def decode(params, prompt, options: DecodeOptions | None = None, *, config: Mode
     return _output(model, run, state, batched, time.perf_counter() - start)
 
 
-def stream(params, prompt, options: DecodeOptions | None = None, *, chunk_iterations: int = 8, config: ModelConfig | None = None, **overrides):
+def stream(
+    params, prompt, options: DecodeOptions | None = None, *, chunk_iterations: int = 8, config: ModelConfig | None = None, **overrides
+):
     """Like `decode`, but yields each row's tokens so far after every `chunk_iterations` iterations,
     then the final DecodeOutput. The loop runs on the device between yields."""
     model, run, batched = prepare(params, prompt, options, config=config, **overrides)

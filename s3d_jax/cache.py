@@ -8,7 +8,7 @@ masked out and overwritten later, so speculative rejections need no rollback.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.struct
 import jax

@@ -18,8 +18,8 @@ import numpy as np
 
 from s3d_jax.cache import KVCache, prompt_forward
 from s3d_jax.config import ModelConfig
-from s3d_jax.sampling import choose
 from s3d_jax.model import head_logits
+from s3d_jax.sampling import choose
 from s3d_jax.speculative import Plan, accept, draft, verify
 
 

@@ -13,7 +13,7 @@ The block's own keys and values are returned so the caller decides whether to ca
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
@@ -191,7 +191,8 @@ class Transformer(nn.Module):
         c = self.config
         B = tokens_BT.shape[0]
         empty = jnp.zeros((B, 0, c.num_kv_heads, c.head_dim), self.embedding.dtype)
-        return self(tokens_BT, positions_BT, [(empty, empty)] * c.num_layers, jnp.zeros((*mask_BTT.shape[:2], 0), bool), mask_BTT, c.all_layers)
+        no_context_BTS = jnp.zeros((*mask_BTT.shape[:2], 0), bool)
+        return self(tokens_BT, positions_BT, [(empty, empty)] * c.num_layers, no_context_BTS, mask_BTT, c.all_layers)
 
     def init_all(self, tokens_BT):
         """Touches every parameter, for `init`."""

@@ -36,9 +36,9 @@ class Plan:
     sampling: Sampling
 
     @classmethod
-    def make(cls, config: ModelConfig, method: str, gamma: int = 0, skip=None, sampling: Sampling = Sampling()) -> Plan:
+    def make(cls, config: ModelConfig, method: str, gamma: int = 0, skip=None, sampling: Sampling | None = None) -> Plan:
         draft_layers = config.draft_layers(skip) if skip is not None else ()
-        return cls(method, int(gamma), None if skip is None else tuple(skip), draft_layers, sampling)
+        return cls(method, int(gamma), None if skip is None else tuple(skip), draft_layers, sampling or Sampling())
 
 
 def draft_s3d(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng):

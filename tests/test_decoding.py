@@ -11,7 +11,6 @@ from s3d_jax import decoding
 from s3d_jax.cache import KVCache, cached_forward
 from s3d_jax.model import lm_logits
 from s3d_jax.speculative import Plan, draft_s3d
-from s3d_jax.sampling import Sampling
 
 
 def random_prompts(lengths, vocab=95, seed=0):
@@ -31,11 +30,12 @@ def test_cached_decoding_equals_recomputation(model):
     """Prefill then one token at a time through the cache gives the logits of a full recompute."""
     tokens = np.asarray(random_prompts([14])[0])
     cache = KVCache.zeros(model.config, 1, 32)
-    hidden, cache = cached_forward(model.params, model.config, cache, jnp.asarray(tokens[None, :6]), model.config.all_layers, True)
+    layers = model.config.all_layers
+    hidden, cache = cached_forward(model.params, model.config, cache, jnp.asarray(tokens[None, :6]), layers, True)
     steps = [lm_logits(model.params, model.config, hidden)]
     cache = cache.replace(lengths=cache.lengths + 6)
     for t in range(6, len(tokens)):
-        hidden, cache = cached_forward(model.params, model.config, cache, jnp.asarray(tokens[None, t : t + 1]), model.config.all_layers, True)
+        hidden, cache = cached_forward(model.params, model.config, cache, jnp.asarray(tokens[None, t : t + 1]), layers, True)
         steps.append(lm_logits(model.params, model.config, hidden))
         cache = cache.replace(lengths=cache.lengths + 1)
     cached = np.concatenate([np.asarray(s)[0] for s in steps])
@@ -222,7 +222,8 @@ def test_one_compile_per_bucket(model):
 
 
 def test_stream_yields_prefixes_of_the_result(model):
-    chunks = list(s3d_jax.stream(model, [4, 5, 6], method="s3d", gamma=2, skip=(2, 3), max_new_tokens=20, eos_token_ids=(), chunk_iterations=2))
+    options = s3d_jax.DecodeOptions(method="s3d", gamma=2, skip=(2, 3), max_new_tokens=20, eos_token_ids=())
+    chunks = list(s3d_jax.stream(model, [4, 5, 6], options, chunk_iterations=2))
     final = chunks[-1]
     assert len(chunks) > 2
     for partial in chunks[:-1]:

@@ -32,7 +32,8 @@ def test_plain_greedy_equals_transformers_generate(smollm2, plain, hf_smollm2):
     torch = pytest.importorskip("torch")
     hf_model, hf_tokenizer = hf_smollm2
     for chat, ours in zip(CHATS, plain.tokens):
-        ids = hf_tokenizer.apply_chat_template([{"role": "user", "content": chat}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        messages = [{"role": "user", "content": chat}]
+        ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
         with torch.no_grad():
             out = hf_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
         assert ours == out[0, ids.shape[1] :].tolist()
