@@ -1,6 +1,7 @@
 """Static-shape KV cache and the cached forward pass.
 
-Per layer the cache holds keys and values `[B, S, K, E]`; `lengths[b]` says how many leading
+Per layer the cache holds keys `[B, K, S, E]` and values `[B, K, E, S]` (the layouts attention reads
+without a copy, see `model.Attention`); `lengths[b]` says how many leading
 positions of row b hold valid full-model entries. A block of T tokens always runs at positions
 `lengths[b] .. lengths[b] + T - 1` of its row. Entries at or past `lengths` are stale: they are
 masked out and overwritten later, so speculative rejections need no rollback.
@@ -20,34 +21,35 @@ from s3d_jax.model import causal_mask, full_pass, run_layers, window_mask
 
 @flax.struct.dataclass
 class KVCache:
-    keys: tuple  # per layer [B, S, K, E]
-    values: tuple  # per layer [B, S, K, E]
+    keys: tuple  # per layer [B, K, S, E]
+    values: tuple  # per layer [B, K, E, S]
     lengths: jax.Array  # [B] int32
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, max_len: int) -> KVCache:
-        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
-        layers = range(config.num_layers)
+        K, E, layers = config.num_kv_heads, config.head_dim, range(config.num_layers)
         return cls(
-            keys=tuple(jnp.zeros(shape, config.jnp_dtype) for _ in layers),
-            values=tuple(jnp.zeros(shape, config.jnp_dtype) for _ in layers),
+            keys=tuple(jnp.zeros((batch, K, max_len, E), config.jnp_dtype) for _ in layers),
+            values=tuple(jnp.zeros((batch, K, E, max_len), config.jnp_dtype) for _ in layers),
             lengths=jnp.zeros((batch,), jnp.int32),
         )
 
     @property
     def max_len(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[2]
 
     def block_positions(self, block_len: int) -> jax.Array:
         return self.lengths[:, None] + jnp.arange(block_len)[None, :]
 
     def write(self, layers: Sequence[int], block_kvs) -> KVCache:
         """Stores each layer's block keys and values at positions `lengths ..` of its row."""
-        put = jax.vmap(lambda buf, block, at: jax.lax.dynamic_update_slice_in_dim(buf, block, at, axis=0))
+        def put(axis):  # per row: the block goes to positions lengths[b] .. along `axis`
+            return jax.vmap(lambda buf, block, at: jax.lax.dynamic_update_slice_in_dim(buf, block.astype(buf.dtype), at, axis=axis))
+
         keys, values = list(self.keys), list(self.values)
         for layer, (k, v) in zip(layers, block_kvs, strict=True):
-            keys[layer] = put(keys[layer], k.astype(keys[layer].dtype), self.lengths)
-            values[layer] = put(values[layer], v.astype(values[layer].dtype), self.lengths)
+            keys[layer] = put(1)(keys[layer], k, self.lengths)
+            values[layer] = put(2)(values[layer], v, self.lengths)
         return self.replace(keys=tuple(keys), values=tuple(values))
 
 

@@ -99,10 +99,14 @@ class Attention(nn.Module):
 
         B, T = x_BTD.shape[:2]
         q_BTKGE = q_BTHE.reshape(B, T, K, G, E)
-        context_k_BSKE, context_v_BSKE = context_kv
+        # Keys are laid out [B, K, S, E] and values [B, K, E, S], as in the cache: in both attention
+        # matmuls the heads are a batch axis and the contracted axis is minor, which is the layout
+        # XLA's CPU dot wants; any other layout makes it transpose (copy) the whole cache per step.
+        k_BKTE, v_BKET = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 3, 1)
+        context_k_BKSE, context_v_BKES = context_kv
         f32, scale = jnp.float32, E**-0.5
-        scores_ctx = jnp.einsum("btkge,bske->bkgts", q_BTKGE, context_k_BSKE, preferred_element_type=f32) * scale
-        scores_blk = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BTKE, preferred_element_type=f32) * scale
+        scores_ctx = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, context_k_BKSE, preferred_element_type=f32) * scale
+        scores_blk = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKTE, preferred_element_type=f32) * scale
         S = scores_ctx.shape[-1]
         scores = jnp.concatenate(
             [
@@ -112,11 +116,11 @@ class Attention(nn.Module):
             axis=-1,
         )
         probs = jax.nn.softmax(scores, axis=-1).astype(x_BTD.dtype)
-        out_BTKGE = jnp.einsum("bkgts,bske->btkge", probs[..., :S], context_v_BSKE) + jnp.einsum(
-            "bkgts,bske->btkge", probs[..., S:], v_BTKE
+        out_BTKGE = jnp.einsum("bkgts,bkes->btkge", probs[..., :S], context_v_BKES) + jnp.einsum(
+            "bkgts,bkes->btkge", probs[..., S:], v_BKET
         )
         out_BTD = linear(self, "o", out_BTKGE.reshape(B, T, H, E), (H, E), (D,), draft)
-        return out_BTD, (k_BTKE, v_BTKE)
+        return out_BTD, (k_BKTE, v_BKET)
 
 
 class MLP(nn.Module):
@@ -171,7 +175,8 @@ class Transformer(nn.Module):
     ):
         """Runs `layers` in order; returns final-normed hidden states and each layer's block K/V.
 
-        `context_kvs[i]` is the context for the i-th entry of `layers`. `draft` applies the
+        `context_kvs[i]` is the context (keys `[B, K, S, E]`, values `[B, K, E, S]`) for the i-th entry
+        of `layers`. `draft` applies the
         draft-only adapters, if the model has them.
         """
         x_BTD = jnp.take(self.embedding, tokens_BT, axis=0)
@@ -190,9 +195,10 @@ class Transformer(nn.Module):
         """All layers over `tokens` with nothing before them (prompt pass, training target, `logits`)."""
         c = self.config
         B = tokens_BT.shape[0]
-        empty = jnp.zeros((B, 0, c.num_kv_heads, c.head_dim), self.embedding.dtype)
+        empty_k = jnp.zeros((B, c.num_kv_heads, 0, c.head_dim), self.embedding.dtype)
+        empty_v = jnp.zeros((B, c.num_kv_heads, c.head_dim, 0), self.embedding.dtype)
         no_context_BTS = jnp.zeros((*mask_BTT.shape[:2], 0), bool)
-        return self(tokens_BT, positions_BT, [(empty, empty)] * c.num_layers, no_context_BTS, mask_BTT, c.all_layers)
+        return self(tokens_BT, positions_BT, [(empty_k, empty_v)] * c.num_layers, no_context_BTS, mask_BTT, c.all_layers)
 
     def init_all(self, tokens_BT):
         """Touches every parameter, for `init`."""
