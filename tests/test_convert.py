@@ -199,7 +199,7 @@ def test_bfloat16_conversion(tmp_path):
     out = convert(tmp_path / "hf", tmp_path / "out", dtype="bfloat16", progress=False)
     loaded = s3d_jax.load(out)
     assert loaded.config.dtype == "bfloat16"
-    for leaf in _leaves(loaded.params):
+    for leaf in jax.tree.leaves(loaded.params):
         assert leaf.dtype == np.dtype("bfloat16")
     assert_parity("bf16 params vs f32 reference", model, out, random_ids(), rtol=5e-2)
 
@@ -213,12 +213,6 @@ def test_bfloat16_checkpoint_source(tmp_path):
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
     out = convert(tmp_path / "hf", tmp_path / "out", dtype="float32", progress=False)
     assert_parity("bf16 checkpoint -> f32", model, out, random_ids())
-
-
-def _leaves(tree):
-    import jax
-
-    return jax.tree.leaves(tree)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,114 @@
+"""Converts a Hugging Face model directory or a llama GGUF file into an s3d_jax model directory, and back.
+
+    python -m s3d_jax.convert SRC OUT [--dtype float32|bfloat16|float16] [--quiet]   (or tools/convert_hf.py)
+    python -m s3d_jax.convert MODEL HF_OUT --to-hf      # back to transformers, e.g. a trained drafter
+
+The steps, one module each:
+  readers.py, gguf_file.py  every source is read into the same `HFSource`: an HF-style config dict,
+                            lazy HF-named tensors (loaded one at a time, so a big model never sits in
+                            memory twice) and the tokenizer, or None;
+  layout.py                 one table of rules maps HF tensor names to this project's params tree and
+                            back, checking every weight against the shape the config implies;
+  mask_row.py               S3D's mask token gets an embedding row;
+  export.py                 a model back to a transformers directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import jax
+
+from s3d_jax import checkpoint
+from s3d_jax.checkpoint import CheckpointError
+from s3d_jax.config import DTYPES, ConfigError, ModelConfig
+from s3d_jax.convert.export import config_to_hf, export_hf
+from s3d_jax.convert.gguf_file import read_gguf
+from s3d_jax.convert.layout import params_from_hf, params_to_hf
+from s3d_jax.convert.mask_row import add_mask_row, mask_row_plan
+from s3d_jax.convert.readers import HFSource, read_hf_dir
+from s3d_jax.model import abstract_params
+
+__all__ = [
+    "HFSource",
+    "add_mask_row",
+    "config_to_hf",
+    "convert",
+    "export_hf",
+    "main",
+    "mask_row_plan",
+    "params_from_hf",
+    "params_to_hf",
+    "read_source",
+]
+
+
+def read_source(src: str | Path) -> HFSource:
+    """Reads an HF model directory (or its config.json), or a GGUF file."""
+    src = Path(src)
+    if src.is_dir():
+        return read_hf_dir(src)
+    if src.is_file():
+        if src.name == "config.json":
+            return read_hf_dir(src.parent)
+        if src.suffix == ".gguf" or _starts_with(src, b"GGUF"):
+            return read_gguf(src)
+        raise CheckpointError(f"{src} is neither a GGUF file nor a Hugging Face model directory")
+    raise CheckpointError(f"no model at {src}: no such file or directory")
+
+
+def _starts_with(path: Path, magic: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(magic)) == magic
+
+
+def convert(src: str | Path, out: str | Path, dtype: str = "float32", progress: bool = True) -> Path:
+    """Converts an HF model directory or a llama GGUF file at `src` into an s3d_jax model at `out`."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    source = read_source(src)
+    try:
+        config = ModelConfig.from_hf(source.config, dtype)
+    except KeyError as e:
+        raise ConfigError(f"{source.path}: the config lacks the field {e.args[0]}") from None
+    params = params_from_hf(source.tensors, config, progress=progress)
+    tokenizer_size = len(source.tokenizer) if source.tokenizer is not None else None
+    recorded = source.config.get("s3d") or {}  # written by `export_hf`
+    params, config = add_mask_row(params, config, tokenizer_size, recorded.get("mask_token_id"))
+    if recorded.get("draft_skip"):
+        config = config.replace(draft_skip=tuple(recorded["draft_skip"]), draft_gamma=recorded.get("draft_gamma", config.draft_gamma))
+    return checkpoint.save(out, params, config, source.tokenizer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="convert_hf",
+        description="Convert a Hugging Face model directory or a llama GGUF file into an s3d_jax model directory.",
+    )
+    parser.add_argument("src", help="HF model directory (config.json + safetensors/pytorch_model.bin) or a .gguf file")
+    parser.add_argument("out", help="output directory")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype (default float32)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--to-hf", action="store_true", help="the other way: SRC is an s3d_jax model (a trained drafter), OUT a new HF directory"
+    )
+    args = parser.parse_args(argv)
+    try:
+        if args.to_hf:
+            out = export_hf(checkpoint.load(args.src), args.out)
+            print(f"exported {args.src} -> {out} (float32; draft-only LoRA weights, if any, are not part of it)")
+            return 0
+        out = convert(args.src, args.out, args.dtype, progress=not args.quiet)
+        config = checkpoint.load_config(out)
+    except (ConfigError, CheckpointError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(config)))
+    print(
+        f"converted {config.architecture}: {config.num_layers} layers, {params / 1e6:.1f}M params "
+        f"({config.dtype}), vocab {config.vocab_size}, mask id {config.mask_token_id} -> {out}"
+    )
+    return 0

@@ -1,0 +1,181 @@
+"""The Hugging Face weight layout: one table, `RULES`, read in both directions.
+
+Each rule names an HF tensor (torch layout, `{i}` for the layer) and the params it holds in this
+project's tree. `params_from_hf` reads the table forwards and `params_to_hf` backwards, so import
+and export cannot disagree. Phi-3 fuses q, k, v into one tensor and gate, up into another: a rule
+with several params splits the HF rows among them, in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
+from tqdm.auto import tqdm
+
+from s3d_jax.checkpoint import CheckpointError
+from s3d_jax.config import ModelConfig
+from s3d_jax.model import abstract_params
+
+FUSED_ARCHITECTURES = ("phi3",)  # whose checkpoints hold qkv_proj and gate_up_proj
+
+
+@dataclasses.dataclass(frozen=True)
+class Reshape:
+    """Between an HF weight (or its rows of a fused tensor) and one of our params, both ways."""
+
+    hf_shape: Callable[[ModelConfig], tuple[int, ...]]
+    from_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+def _same(x, c):
+    return x
+
+
+def _transposed(hf_shape) -> Reshape:  # torch Linear [out, in] <-> [in, out]
+    return Reshape(hf_shape, lambda w, c: w.T, lambda a, c: a.T)
+
+
+NORM = Reshape(lambda c: (c.hidden_size,), _same, _same)  # [D] RMSNorm scales
+EMBED = Reshape(lambda c: (c.vocab_size, c.hidden_size), _same, _same)  # [V, D]
+LM_HEAD = _transposed(lambda c: (c.vocab_size, c.hidden_size))  # [V, D] <-> [D, V]
+QUERY = Reshape(  # [H*E, D] <-> [D, H, E]
+    lambda c: (c.num_heads * c.head_dim, c.hidden_size),
+    lambda w, c: w.T.reshape(c.hidden_size, c.num_heads, c.head_dim),
+    lambda a, c: a.reshape(c.hidden_size, -1).T,
+)
+KEY_VALUE = Reshape(  # [K*E, D] <-> [D, K, E]
+    lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+    lambda w, c: w.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim),
+    lambda a, c: a.reshape(c.hidden_size, -1).T,
+)
+OUTPUT = Reshape(  # [D, H*E] <-> [H, E, D]
+    lambda c: (c.hidden_size, c.num_heads * c.head_dim),
+    lambda w, c: w.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
+    lambda a, c: a.reshape(-1, c.hidden_size).T,
+)
+FFN_IN = _transposed(lambda c: (c.intermediate_size, c.hidden_size))  # [F, D] <-> [D, F]
+FFN_OUT = _transposed(lambda c: (c.hidden_size, c.intermediate_size))  # [D, F] <-> [F, D]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    hf_name: str  # `{i}` stands for the layer index
+    params: tuple[tuple[str, Reshape], ...]  # our `/`-separated param paths; several split the HF rows in order
+    fused: bool | None = None  # export only: True in Phi-3's fused layout, False in the separate one, None in both
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(path for path, _ in self.params)
+
+    @property
+    def regex(self) -> re.Pattern:
+        return re.compile(re.escape(self.hf_name).replace(r"\{i\}", r"(\d+)"))
+
+    def hf_shape(self, c: ModelConfig) -> tuple[int, ...]:
+        shapes = [reshape.hf_shape(c) for _, reshape in self.params]
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+    def from_hf(self, w: np.ndarray, c: ModelConfig) -> tuple[np.ndarray, ...]:
+        """One array per target."""
+        ends = np.cumsum([reshape.hf_shape(c)[0] for _, reshape in self.params])
+        parts = np.split(w, ends[:-1])
+        return tuple(reshape.from_hf(part, c) for (_, reshape), part in zip(self.params, parts, strict=True))
+
+    def to_hf(self, arrays, c: ModelConfig) -> np.ndarray:
+        """The HF tensor from one array per target."""
+        return np.concatenate([reshape.to_hf(a, c) for (_, reshape), a in zip(self.params, arrays, strict=True)])
+
+
+_LAYER, _OURS = "model.layers.{i}.", "layer_{i}/"
+RULES = (
+    Rule("model.embed_tokens.weight", (("embed", EMBED),)),
+    Rule("lm_head.weight", (("lm_head", LM_HEAD),)),
+    Rule("model.norm.weight", (("final_norm/scale", NORM),)),
+    Rule(_LAYER + "input_layernorm.weight", ((_OURS + "attn_norm/scale", NORM),)),
+    Rule(_LAYER + "post_attention_layernorm.weight", ((_OURS + "mlp_norm/scale", NORM),)),
+    Rule(_LAYER + "self_attn.q_proj.weight", ((_OURS + "attn/q", QUERY),), fused=False),
+    Rule(_LAYER + "self_attn.k_proj.weight", ((_OURS + "attn/k", KEY_VALUE),), fused=False),
+    Rule(_LAYER + "self_attn.v_proj.weight", ((_OURS + "attn/v", KEY_VALUE),), fused=False),
+    Rule(_LAYER + "self_attn.o_proj.weight", ((_OURS + "attn/o", OUTPUT),)),
+    Rule(_LAYER + "mlp.gate_proj.weight", ((_OURS + "mlp/gate", FFN_IN),), fused=False),
+    Rule(_LAYER + "mlp.up_proj.weight", ((_OURS + "mlp/up", FFN_IN),), fused=False),
+    Rule(_LAYER + "mlp.down_proj.weight", ((_OURS + "mlp/down", FFN_OUT),)),
+    # Phi-3's fused projections.
+    Rule(
+        _LAYER + "self_attn.qkv_proj.weight",
+        ((_OURS + "attn/q", QUERY), (_OURS + "attn/k", KEY_VALUE), (_OURS + "attn/v", KEY_VALUE)),
+        fused=True,
+    ),
+    Rule(_LAYER + "mlp.gate_up_proj.weight", ((_OURS + "mlp/gate", FFN_IN), (_OURS + "mlp/up", FFN_IN)), fused=True),
+)
+IGNORED = (re.compile(r".*\.rotary_emb\.inv_freq"),)  # buffers some old checkpoints saved
+
+
+def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, progress: bool = False) -> dict:
+    """Maps HF-named weights to a params tree of numpy arrays in `config.dtype`, checking every shape."""
+    expected = flatten_dict(abstract_params(config), sep="/")
+    target_dtype = np.dtype(config.jnp_dtype)
+    flat: dict[str, np.ndarray] = {}
+    source_of: dict[str, str] = {}
+    for name in tqdm(list(tensors), desc="converting", unit="tensor", disable=not progress):
+        if any(p.fullmatch(name) for p in IGNORED) or (name == "lm_head.weight" and config.tie_embeddings):
+            continue
+        found = _match(name)
+        if found is None:
+            raise CheckpointError(f"unexpected tensor {name}: no {config.architecture} weight has this name")
+        rule, layer = found
+        if layer is not None and int(layer) >= config.num_layers:
+            raise CheckpointError(f"unexpected tensor {name}: the config has only {config.num_layers} layers")
+        w = tensors[name]
+        want = rule.hf_shape(config)
+        if tuple(w.shape) != want:
+            raise CheckpointError(f"tensor {name} has shape {tuple(w.shape)}, but the config implies {want}")
+        for target, out in zip(rule.targets, rule.from_hf(w, config), strict=True):
+            target = target.format(i=layer)
+            if target in flat:
+                raise CheckpointError(f"tensor {name} sets {target}, which {source_of[target]} already set")
+            assert tuple(out.shape) == tuple(expected[target].shape), (name, target, out.shape)
+            flat[target] = np.ascontiguousarray(out, dtype=target_dtype)
+            source_of[target] = name
+        del w
+    missing = [t for t in expected if t not in flat]
+    if missing:
+        raise CheckpointError(f"missing weight {_hf_names_for(missing[0])} (needed for {missing[0]})")
+    return unflatten_dict(flat, sep="/")
+
+
+def params_to_hf(params, config: ModelConfig) -> dict[str, np.ndarray]:
+    """HF tensor names in torch layouts, float32. Draft-only LoRA weights have no HF counterpart and are
+    left out: the full model does not use them."""
+    flat = flatten_dict(params, sep="/")
+    fused = config.architecture in FUSED_ARCHITECTURES
+    out = {}
+    for rule in RULES:
+        if rule.fused is not None and rule.fused != fused:
+            continue
+        for i in range(config.num_layers) if "{i}" in rule.hf_name else [None]:
+            paths = [t.format(i=i) for t in rule.targets]
+            if all(p in flat for p in paths):  # a tied model has no lm_head
+                arrays = [np.asarray(flat[p], np.float32) for p in paths]
+                out[rule.hf_name.format(i=i)] = np.ascontiguousarray(rule.to_hf(arrays, config))
+    return out
+
+
+def _match(name: str) -> tuple[Rule, str | None] | None:
+    for rule in RULES:
+        m = rule.regex.fullmatch(name)
+        if m:
+            return rule, (m.group(1) if m.groups() else None)
+    return None
+
+
+def _hf_names_for(target: str) -> str:
+    m = re.fullmatch(r"layer_(\d+)/.*", target)
+    i = m.group(1) if m else None
+    generic = re.sub(r"layer_\d+/", _OURS, target)
+    return " or ".join(r.hf_name.format(i=i) for r in RULES if generic in r.targets)
