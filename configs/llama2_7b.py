@@ -4,7 +4,7 @@
     python -m s3d_jax.train --config configs/llama2_7b.py --config.model_path=checkpoints/llama2_7b
 """
 
-from s3d_jax.train import default_config, paper_recipe
+from s3d_jax.train.config import default_config, paper_recipe
 
 
 def get_config():

@@ -7,7 +7,7 @@ skipped around the middle.
     python -m s3d_jax.train --config configs/phi3.py --dry-run      # no weights needed
 """
 
-from s3d_jax.train import default_config, paper_recipe
+from s3d_jax.train.config import default_config, paper_recipe
 
 
 def get_config():

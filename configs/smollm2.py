@@ -1,6 +1,6 @@
 """The bundled SmolLM2-135M-Instruct on ShareGPT, sized for about an hour on a 2-core CPU."""
 
-from s3d_jax.train import default_config
+from s3d_jax.train.config import default_config
 
 
 def get_config():

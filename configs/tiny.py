@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-from s3d_jax.train import default_config
+from s3d_jax.train.config import default_config
 
 
 def small_sharegpt() -> str:

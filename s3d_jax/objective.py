@@ -168,13 +168,13 @@ def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Object
     return loss, metrics
 
 
-def summarize(metrics) -> dict:
-    """Pooled metric sums to readable values: loss, per-depth accuracy, and the implied E."""
+def summarize_metrics(metrics) -> dict:
+    """Pooled `loss_fn` metric sums to readable values: loss, per-depth accuracy, and the implied E."""
     m = jax.device_get(metrics)
     count = m["depth_count"]
     out = {
         "draft_loss": float(m["draft_loss_sum"] / max(m["targets"], 1)),
-        "accuracy_per_depth": [float(c / n) if n else float("nan") for c, n in zip(m["depth_correct"], count)],
+        "accuracy_per_depth": [float(c / n) if n else float("nan") for c, n in zip(m["depth_correct"], count, strict=True)],
         "expected_tokens_per_iteration": float(1 + m["accepted"] / max(m["anchors"], 1)),
     }
     for name in ("lm_loss", "kl"):

@@ -17,7 +17,6 @@ import pytest
 import s3d_jax
 from s3d_jax import checkpoint
 from s3d_jax.data import DataError
-from s3d_jax.config import ConfigError
 from s3d_jax.train import load_base_model, train
 
 ROOT = Path(__file__).parents[1]
@@ -159,7 +158,10 @@ batch_rows = rows.take(np.arange(4))
 out = {}
 for name, shape, fsdp in [("single", (1, 1), False), ("data4_fsdp", (4, 1), True), ("data2_model2", (2, 2), True)]:
     cfg.mesh.data, cfg.mesh.model, cfg.mesh.fsdp = shape[0], shape[1], fsdp
-    mesh = make_mesh(cfg.mesh) if name != "single" else jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    if name == "single":
+        mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    else:
+        mesh = make_mesh(cfg.mesh)
     abstract = jax.eval_shape(trainer.init, base.params, 0)
     sharding = shardings(abstract, mesh, fsdp)
     state = jax.jit(trainer.init, static_argnums=1, out_shardings=sharding)(base.params, 0)
@@ -167,14 +169,16 @@ for name, shape, fsdp in [("single", (1, 1), False), ("data4_fsdp", (4, 1), True
     state, metrics = step(state, place_batch(batch_rows, mesh, 1))
     spec = state.params["layer_0"]["mlp"]["gate"].sharding.spec
     out[name] = {"loss": float(metrics["draft_loss_sum"] / metrics["targets"]), "spec": str(spec),
-                 "params": {jax.tree_util.keystr(k): np.asarray(v).tolist() for k, v in jax.tree_util.tree_leaves_with_path(state.params) if "layer_0" in jax.tree_util.keystr(k) or "layer_5" in jax.tree_util.keystr(k)}}
+                 "params": {key: np.asarray(v).tolist() for path, v in jax.tree_util.tree_leaves_with_path(state.params)
+                            if "layer_0" in (key := jax.tree_util.keystr(path)) or "layer_5" in key}}
 print(json.dumps(out))
 """
 
 
 def test_sharded_step_equals_unsharded():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", SHARDED_STEP, str(Path(__file__).parent)], capture_output=True, text=True, env=env, timeout=600)
+    command = [sys.executable, "-c", SHARDED_STEP, str(Path(__file__).parent)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert "data" in out["data4_fsdp"]["spec"] and "model" in out["data2_model2"]["spec"], "parameters really are sharded"
@@ -230,5 +234,5 @@ def test_dry_run_needs_no_weights():
         p = report["parameters"]
         assert p["trainable"] + p["frozen"] == p["total"] and 0.3 < p["frozen"] / p["total"] < 0.7
         assert report["memory_per_device_gib"]["total"] > 10
-    assert 3.7e9 < json.loads(subprocess.run([sys.executable, "-m", "s3d_jax.train", "--config", str(ROOT / "configs" / "phi3.py"), "--dry-run"],
-                                             capture_output=True, text=True).stdout)["parameters"]["total"] < 3.9e9
+    phi3 = [sys.executable, "-m", "s3d_jax.train", "--config", str(ROOT / "configs" / "phi3.py"), "--dry-run"]
+    assert 3.7e9 < json.loads(subprocess.run(phi3, capture_output=True, text=True).stdout)["parameters"]["total"] < 3.9e9

@@ -1,0 +1,93 @@
+"""The training run: load the base model, start or resume, step, log, evaluate, checkpoint, export."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from tqdm import tqdm
+
+from s3d_jax import data
+from s3d_jax.sharding import make_mesh, shardings
+from s3d_jax.train import checkpoints, report
+from s3d_jax.train.config import check_settings
+from s3d_jax.train.trainer import place_batch, trainer_from
+
+EVAL_SEED = 1234  # the same masks at every evaluation, so that evaluations compare
+
+
+def train(cfg: ml_collections.ConfigDict, workdir: str | Path, progress: bool = True) -> Path:
+    """Runs (or resumes) training; returns the exported model directory."""
+    workdir = Path(workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    t = cfg.train
+    mesh = make_mesh(cfg.mesh)
+    check_settings(cfg, mesh.shape["data"])
+    base = checkpoints.load_base_model(cfg)
+    trainer, schedule = trainer_from(cfg, base.config, base.params)
+    state_sharding = shardings(jax.eval_shape(trainer.init, base.params, t.seed), mesh, cfg.mesh.fsdp)
+    manager = checkpoints.checkpoint_manager(workdir, t.keep_checkpoints)
+    state, data_position = checkpoints.start_or_resume(manager, trainer, base.params, t.seed, state_sharding)
+    original = jax.device_put(base.params, shardings(base.params, mesh, cfg.mesh.fsdp)) if trainer.objective.kl_weight else None
+    tokenizer = base.tokenizer
+    del base  # the state holds the params now
+
+    train_rows, eval_rows = load_rows(cfg.data, tokenizer, progress)
+    step_fn = jax.jit(trainer.step, donate_argnums=0, out_shardings=(state_sharding, None))
+    held_out = functools.partial(evaluate_held_out, jax.jit(trainer.evaluate), rows=eval_rows, mesh=mesh, batch_size=t.batch_size,
+                                 max_batches=cfg.data.eval_batches)
+    metrics_file = workdir / "metrics.jsonl"
+    start_step = int(state.step)
+    if start_step == 0 and not metrics_file.exists():
+        before = report.log_eval(metrics_file, 0, held_out(state.params))
+        print(f"held-out before training: {report.describe(before)}", file=sys.stderr)
+
+    stream = data.batches(train_rows, t.batch_size * t.grad_accum, t.seed, start=data_position)
+    bar = tqdm(total=t.steps, initial=start_step, desc="training", disable=not progress, dynamic_ncols=True)
+    throughput = report.Throughput()
+    for step in range(start_step + 1, t.steps + 1):
+        data_position, rows = next(stream)
+        state, metrics = step_fn(state, place_batch(rows, mesh, t.grad_accum), original)
+        throughput.add(rows)
+        if _due(step, t.log_every, t.steps):
+            record = report.log_step(metrics_file, step, metrics, lr=float(schedule(step)), tokens_per_s=throughput.read(),
+                                     data_position=data_position)
+            bar.set_postfix_str(report.describe(record) + f" {record['tokens_per_s']:.0f} tok/s")
+        if _due(step, t.eval_every, t.steps):
+            record = report.log_eval(metrics_file, step, held_out(state.params))
+            bar.write(f"step {step} held-out: {report.describe(record)}")
+        if _due(step, t.checkpoint_every, t.steps):
+            checkpoints.save_checkpoint(manager, step, state, data_position + 1, trainer.config)
+        bar.update(1)
+    bar.close()
+    manager.wait_until_finished()
+    report.plot_metrics(metrics_file, workdir / "curves.png")
+    return checkpoints.export(state.params, trainer.config, trainer.objective, tokenizer, workdir / "model", cfg.model_dtype)
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    return step % every == 0 or step == last
+
+
+def load_rows(d: ml_collections.ConfigDict, tokenizer, progress: bool) -> tuple[data.Rows, data.Rows]:
+    """(train rows, held-out rows) as the `data` section says."""
+    return data.load_dataset(d.path, tokenizer, max_len=d.max_len, loss_on=d.loss_on, pack=d.pack,
+                             eval_fraction=d.eval_fraction, max_conversations=d.max_conversations, progress=progress)
+
+
+def evaluate_held_out(eval_fn, params, rows: data.Rows, mesh: jax.sharding.Mesh, batch_size: int, max_batches: int):
+    """`eval_fn`'s metric sums pooled over up to `max_batches` held-out batches (at least one,
+    repeating rows when there are fewer than a batch)."""
+    rng = jax.random.key(EVAL_SEED)
+    pooled = None
+    for i in range(min(len(rows) // batch_size, max_batches) or 1):
+        batch_rows = rows.take(np.arange(i * batch_size, (i + 1) * batch_size) % len(rows))
+        batch = jax.tree.map(lambda x: x[0], place_batch(batch_rows, mesh, 1))
+        metrics = eval_fn(params, batch, rng)
+        pooled = metrics if pooled is None else jax.tree.map(jnp.add, pooled, metrics)
+    return pooled
