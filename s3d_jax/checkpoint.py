@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +23,8 @@ from s3d_jax.model import abstract_params
 
 CONFIG_FILE = "s3d_config.json"
 PARAMS_DIR = "params"
+# Version of the directory's layout, stored in CONFIG_FILE. 2: vocabulary tables are [D, V] and padded.
+FORMAT = 2
 
 
 class CheckpointError(ValueError):
@@ -45,7 +48,7 @@ def save(path: str | os.PathLike, params, config: ModelConfig, tokenizer=None) -
         shutil.rmtree(path / PARAMS_DIR)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path / PARAMS_DIR, params)
-    (path / CONFIG_FILE).write_text(config.to_json())
+    (path / CONFIG_FILE).write_text(json.dumps({"format": FORMAT, **json.loads(config.to_json())}, indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))
     return path
@@ -58,7 +61,16 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     if not (path / CONFIG_FILE).exists():
         raise CheckpointError(f"{path} is not an s3d_jax model: {CONFIG_FILE} is missing (convert with tools/convert_hf.py)")
     try:
-        return ModelConfig.from_json((path / CONFIG_FILE).read_text())
+        fields = json.loads((path / CONFIG_FILE).read_text())
+        stored = fields.pop("format", 1) if isinstance(fields, dict) else None
+    except ValueError as e:
+        raise CheckpointError(f"{path / CONFIG_FILE} is not valid JSON: {e}") from None
+    if stored != FORMAT:
+        raise CheckpointError(
+            f"{path} holds model format {stored}, and this s3d_jax reads format {FORMAT}: convert the model again with tools/convert_hf.py"
+        )
+    try:
+        return ModelConfig.from_json(json.dumps(fields))
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path / CONFIG_FILE} is not a valid model config: {e}") from None
 
