@@ -8,7 +8,9 @@ It measures, each engine in its own process so that peak memory is its own (s3d_
 again; transformers' is the bench's peer process, which never loads JAX):
   - s3d_jax plain greedy against transformers' PyTorch greedy `generate` on the same chat prompts
     and the same weights (exported with `tools/convert_hf.py --to-hf`);
-  - the cost of one pass: a plain step, an S3D draft pass for several γ, a verify pass of γ+1 tokens;
+  - the cost of one pass: a plain step, an S3D draft pass for several γ, a verify pass of γ+1 tokens,
+    each against a plain step and against its memory floor (the bytes it must read / the streaming
+    bandwidth that a probe over a buffer the size of the weights measures in the same run);
   - tokens/s of each method (ar, selfspec, s3d) with tokens per iteration and acceptance per depth.
 Results go to results/bench_decode.{json,md,png}.
 """
@@ -57,11 +59,18 @@ def run_jax(request: dict) -> dict:
     skip = tuple(args.skip) if args.skip else default_skip(cfg.num_layers)
     result = {"device": str(jax.devices()[0]), "model": cfg.architecture, "layers": cfg.num_layers, "skip": skip, "dtype": cfg.dtype}
 
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    result["bandwidth_gb_s"] = timing.bandwidth_gb_s(weight_bytes)
     passes = {"plain step (1 token)": timing.verify_ms(model, 1, context=args.context, repeats=args.repeats)}
+    full_bytes = timing.pass_bytes(model.params, cfg, cfg.all_layers, args.context)
+    floor_bytes = {"plain step (1 token)": full_bytes}
     for g in tqdm(args.gammas, desc="pass timings", disable=args.quiet):
         passes[f"s3d draft, gamma={g}"] = timing.draft_ms(model, skip, g, context=args.context, repeats=args.repeats)
         passes[f"verify, {g + 1} tokens"] = timing.verify_ms(model, g + 1, context=args.context, repeats=args.repeats)
+        floor_bytes[f"s3d draft, gamma={g}"] = timing.pass_bytes(model.params, cfg, cfg.draft_layers(skip), args.context)
+        floor_bytes[f"verify, {g + 1} tokens"] = full_bytes
     result["pass_ms"] = passes
+    result["pass_floor_ms"] = {name: b / result["bandwidth_gb_s"] / 1e6 for name, b in floor_bytes.items()}
 
     # No EOS: every prompt runs to max_new_tokens, as transformers does below with min_new_tokens.
     decode = DecodeOptions.from_args(args, chat=True, eos_token_ids=(), skip=skip)
@@ -110,11 +119,14 @@ def render(jax_result: dict, hf_result: dict | None, args) -> str:
         lines.append("")
         lines.append(f"s3d_jax plain greedy / transformers greedy: **{base / hf_result['tokens_per_s']:.2f}x** tokens/s, "
                      f"{jax_result['peak_rss_mib'] / hf_result['peak_rss_mib']:.2f}x peak memory.")
-    lines += ["", f"Pass cost at a context of {args.context} tokens (ms per pass, {args.repeats} passes in one jitted loop):", "",
-              "| pass | ms | vs plain step |", "| --- | --- | --- |"]
+    lines += ["", f"Pass cost at a context of {args.context} tokens (ms per pass, {args.repeats} passes in one jitted loop). "
+              f"The floor is the bytes a pass must read (weights, head, cached keys and values) over the streaming bandwidth, "
+              f"{jax_result['bandwidth_gb_s']:.1f} GB/s by a probe in the same run:", "",
+              "| pass | ms | vs plain step | floor ms | vs floor |", "| --- | --- | --- | --- | --- |"]
     step = jax_result["pass_ms"]["plain step (1 token)"]
     for name, ms in jax_result["pass_ms"].items():
-        lines.append(f"| {name} | {ms:.2f} | {ms / step:.2f} |")
+        floor = jax_result["pass_floor_ms"][name]
+        lines.append(f"| {name} | {ms:.2f} | {ms / step:.2f} | {floor:.2f} | {ms / floor:.2f} |")
     return "\n".join(lines)
 
 
