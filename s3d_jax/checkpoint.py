@@ -99,11 +99,17 @@ def load(path: str | os.PathLike, dtype: str | None = None) -> Model:
 
 
 def load_tokenizer(path: Path):
-    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
-        return None
-    from transformers import AutoTokenizer
+    """The tokenizer saved beside a model, or None. A `tokenizer.json` loads as a fast tokenizer
+    directly: `AutoTokenizer` would import PyTorch when it is installed, some 250 MB of memory."""
+    if (path / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
 
-    return AutoTokenizer.from_pretrained(str(path))
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    if (path / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+    return None
 
 
 def check_params(params, config: ModelConfig) -> None:
