@@ -105,3 +105,20 @@ def test_bench_decode_on_a_tiny_model(tmp_path):
     assert [results["jax"]["methods"][m]["tokens"] for m in ("ar", "selfspec", "s3d")] == [12, 12, 12]
     assert results["hf"]["tokens"] == 12 and results["hf"]["tokens_per_s"] > 0
     assert (tmp_path / "out" / "bench_decode.png").stat().st_size > 0
+
+
+def test_llama_cpp_peer_missing_names_the_extra(monkeypatch, tmp_path):
+    import importlib.util
+
+    from s3d_jax.bench import llama_cpp_peer
+    from s3d_jax.bench.__main__ import main
+    from s3d_jax.bench.suites import BenchError
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real_find_spec(name, *a))
+    with pytest.raises(BenchError, match=r"llama-cpp-python: pip install 's3d-jax\[llama\]'"):
+        llama_cpp_peer.require()
+    model = tiny_model(seed=0)
+    checkpoint.save(tmp_path / "model", model.params, model.config)
+    with pytest.raises(BenchError, match=r"s3d-jax\[llama\]"):
+        main(["--model", str(tmp_path / "model"), "--suite", "mt_bench", "--limit", "1", "--peers", "llama_cpp", "--out", str(tmp_path)])

