@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from s3d_jax.config import ModelConfig
-from s3d_jax.model import NEG_INF, full_pass, head_logits, lm_logits, run_layers, window_mask
+from s3d_jax.model import NEG_INF, full_pass, head_logits, lm_logits, run_layers
 
 MASKINGS = ("span", "iid")
 LOSS_POSITIONS = ("anchors", "unmasked")
@@ -97,15 +97,15 @@ def anchors_of(masked_BT):
     return jax.lax.cummax(jnp.where(masked_BT, 0, p), axis=1)
 
 
-def _same_segment_window(batch: Batch, config: ModelConfig):
-    same = batch.segment_ids[:, :, None] == batch.segment_ids[:, None, :]
-    return same & window_mask(batch.positions[:, :, None], batch.positions[:, None, :], config.sliding_window)
+def _same_segment(batch: Batch):
+    """`[B, T, T]`: the pairs in the same conversation. Sliding windows are left to each layer."""
+    return batch.segment_ids[:, :, None] == batch.segment_ids[:, None, :]
 
 
 def target_pass(params, config: ModelConfig, batch: Batch):
     """Full model over the clean sequence: final hidden states and every layer's keys and values."""
     T = batch.tokens.shape[1]
-    causal = (jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]) & _same_segment_window(batch, config)
+    causal = (jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]) & _same_segment(batch)
     return full_pass(params, config, batch.tokens, batch.positions, causal)
 
 
@@ -114,14 +114,14 @@ def draft_pass(params, config: ModelConfig, objective: Objective, batch: Batch, 
     T = batch.tokens.shape[1]
     anchor = anchors_of(masked_BT)
     s = jnp.arange(T)[None, None, :]
-    visible = _same_segment_window(batch, config)
+    visible = _same_segment(batch)
     context_mask = (s < anchor[:, :, None]) & visible
     block_mask = (s >= anchor[:, :, None]) & (s <= jnp.arange(T)[None, :, None]) & visible
     layers = config.draft_layers(objective.skip)
     draft_tokens = jnp.where(masked_BT, config.mask_token_id, batch.tokens)
     hidden, _ = run_layers(
         params, config, draft_tokens, batch.positions, [target_kvs[i] for i in layers],
-        context_mask, block_mask, layers, draft=True,
+        batch.positions, context_mask, block_mask, layers, draft=True,
     )
     return head_logits(params, config, hidden), anchor
 
