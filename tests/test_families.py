@@ -166,7 +166,8 @@ def test_logits_match_transformers(case, converted):
     hf_model, model, _ = converted(case)
     c = model.config
     assert c.architecture == CASES[case]["family"]
-    assert (c.vocab_size, c.mask_token_id) == (VOCAB + 1, VOCAB)  # no tokenizer: an appended row
+    # No tokenizer: an appended row, then padding to a multiple of 128 rows that is never produced.
+    assert (c.vocab_size, c.mask_token_id, c.output_vocab_size) == (256, VOCAB, VOCAB)
     ids = random_ids()
     diff, rel = max_abs_diff(model, hf_model, ids)
     print(f"\nPARITY {case}: max abs logit difference {diff:.2e}, relative {rel:.2e} (tolerance {RTOL:.0e})")
@@ -240,8 +241,9 @@ def test_to_hf_round_trip(case, converted, tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
     assert type(exported).__name__ == type(hf_model).__name__
     ids = random_ids(seed=3)
-    ref = hf_logits(exported, ids)  # every column, the mask row's included
-    assert relative_error(np.asarray(s3d_jax.logits(model, ids)), ref) < RTOL
+    ref = hf_logits(exported, ids)  # the export keeps the mask row and drops the padding
+    assert ref.shape[-1] == VOCAB + 1
+    assert relative_error(np.asarray(s3d_jax.logits(model, ids)), ref[..., :VOCAB]) < RTOL
     again = s3d_jax.load(convert(tmp_path / "back", tmp_path / "again", progress=False))
     assert again.config == model.config
     for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(model.params), strict=True):
@@ -387,7 +389,8 @@ def test_mask_row_tokenizer_and_chat_template(family, tmp_path):
 
     model = s3d_jax.load(convert_cli(tmp_path / "hf", tmp_path / "out"))
     expected_mask = tokenizer.convert_tokens_to_ids("<unused0>") if family == "gemma2" else vocab - 1
-    assert (model.config.vocab_size, model.config.mask_token_id) == (vocab, expected_mask)
+    assert model.config.mask_token_id == expected_mask
+    assert (model.config.vocab_size, model.config.output_vocab_size or model.config.vocab_size) == (-(-vocab // 128) * 128, vocab)
     messages = [{"role": "user", "content": "hi w5 w7"}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     assert model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] == ids
