@@ -134,11 +134,8 @@ def _encode(model: Model, prompt, chat: bool) -> tuple[list[list[int]], bool]:
     def one(p) -> list[int]:
         if isinstance(p, str):
             check_text(p, "prompt")
-            if chat:
-                p = [{"role": "user", "content": p}]
-            else:
-                p = tokenizer()(p)["input_ids"]
-        elif isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
+            p = [{"role": "user", "content": p}] if chat else tokenizer()(p)["input_ids"]
+        if isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
             check_messages(p)
             ids = tokenizer().apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)
             p = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
@@ -249,6 +246,8 @@ def prepare(
     needed = int(lengths.max()) + max_new_tokens + plan.gamma
     limit = cfg.max_position_embeddings
     max_len = options.max_len
+    if max_len is not None and max_len > limit:
+        raise ValueError(f"max_len {max_len} exceeds the model's context of {limit} positions (max_position_embeddings)")
     if max_len is None:
         max_len = min(bucket(max(needed, padded_len), minimum=128), max(limit, needed))
     if needed > max_len or needed > limit:

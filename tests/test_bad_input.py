@@ -92,6 +92,7 @@ DECODE_CASES = [
     ([1, 2], dict(eos_token_ids=[500]), ValueError, r"eos token id 500 is outside the vocabulary of 96"),
     ([1, 2], dict(eos_token_ids=[95]), ValueError, r"eos token id 95 is the mask token"),
     ([1, 2], dict(max_len=0), ValueError, r"max_len must be >= 1, got 0"),
+    ([1, 2], dict(max_len=10**12), ValueError, r"max_len 1000000000000 exceeds the model's context of 512 positions"),
     ([1, 2], dict(method=None), ValueError, r"unknown method None"),
     ([1, 2], dict(beam_width=4), TypeError, r"unknown decode option 'beam_width'"),
     ([1.7, 2.9], {}, TypeError, r"token ids must be ints, got 1.7"),
@@ -133,6 +134,34 @@ def test_text_is_checked_before_the_tokenizer(model, prompt, overrides, error, m
     with_tokenizer = s3d_jax.Model(model.params, model.config, NoTokenizer())
     with pytest.raises(error, match=message):
         s3d_jax.decode(with_tokenizer, prompt, **overrides)
+
+
+class ListTokenizer:
+    """Text to known ids, so that prompt handling can be checked without a real tokenizer."""
+
+    eos_token_id = None
+
+    def __call__(self, text):
+        return {"input_ids": [1, 2, 3]}
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return [7] * len(messages) + [8, 9]
+
+
+@pytest.mark.parametrize(
+    "prompt,overrides,rows",
+    [
+        ("hi", {}, [[1, 2, 3]]),
+        ("hi", dict(chat=True), [[7, 8, 9]]),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], {}, [[7, 7, 8, 9]]),
+        (["hi", [4, 5]], {}, [[1, 2, 3], [4, 5]]),
+        (np.array([[4, 5], [6, 7]], np.uint16), {}, [[4, 5], [6, 7]]),
+    ],
+)
+def test_good_prompts_still_reach_the_model(model, prompt, overrides, rows):
+    with_tokenizer = s3d_jax.Model(model.params, model.config, ListTokenizer())
+    _, run, _ = s3d_jax.api.prepare(with_tokenizer, prompt, **overrides)
+    assert [row[:n].tolist() for row, n in zip(run.prompts, run.prompt_lengths)] == rows
 
 
 def test_options_accept_numpy_ints_and_normalise_them():
