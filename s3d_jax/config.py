@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
@@ -83,13 +85,21 @@ class ModelConfig:
     final_softcap: float | None = None  # Gemma-2: the same on the logits
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # types first: a JSON "64" or true is not an int
+            object.__setattr__(self, f.name, _typed(f.name, getattr(self, f.name), f.type))
         if self.architecture not in ARCHITECTURES:
             raise ConfigError(f"unknown architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
-            if int(getattr(self, name)) < 1:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings", "sliding_window", "draft_gamma"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"config field {name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ConfigError(f"config field {name} must be a positive finite number, got {getattr(self, name)!r}")
+        if self.draft_lora_rank < 0:
+            raise ConfigError(f"config field draft_lora_rank must be >= 0, got {self.draft_lora_rank}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
@@ -98,14 +108,16 @@ class ModelConfig:
             raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the vocabulary of {self.vocab_size}")
         if self.output_vocab_size is not None and not 0 < self.output_vocab_size <= self.vocab_size:
             raise ConfigError(f"output_vocab_size {self.output_vocab_size} must be in [1, vocab_size {self.vocab_size}]")
+        for eos in self.eos_token_ids:
+            if not 0 <= eos < self.vocab_size:
+                raise ConfigError(f"eos token id {eos} is outside the vocabulary of {self.vocab_size}")
+        if self.mask_token_id is not None and self.mask_token_id in self.eos_token_ids:
+            raise ConfigError(f"mask_token_id {self.mask_token_id} is an EOS id too: the mask is never emitted, so decoding would not stop")
         if self.draft_skip is not None:
             validate_skip(self.draft_skip, self.num_layers)
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
-        # Normalise JSON lists and dicts into hashable tuples and dataclasses.
-        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
-        if self.draft_skip is not None:
-            object.__setattr__(self, "draft_skip", tuple(int(i) for i in self.draft_skip))
+        # Normalise JSON dicts and lists into hashable dataclasses and tuples.
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.layer_types is not None:
@@ -148,11 +160,19 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
-        fields = json.loads(text)
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config is not valid JSON: {e}") from None
+        if not isinstance(fields, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(fields).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ConfigError(f"unknown config fields: {', '.join(unknown)}")
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        if required - set(fields):
+            raise ConfigError(f"config fields missing: {', '.join(sorted(required - set(fields)))}")
         return cls(**fields)
 
     @classmethod
@@ -293,12 +313,41 @@ def _refuse_unsupported(hf: dict[str, Any], arch: str) -> None:
         raise ConfigError(f"unsupported config field partial_rotary_factor={partial}: only full RoPE is implemented")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_ints(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(map(_is_int, value))
+
+
+_TYPES = {  # annotation: (accepts, normalises); numpy ints become ints, ints floats, lists tuples
+    "int": (_is_int, int),
+    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), float),
+    "bool": (lambda v: isinstance(v, bool), bool),
+    "str": (lambda v: isinstance(v, str), str),
+    "tuple[int, ...]": (_is_ints, lambda v: tuple(map(int, v))),
+    "tuple[int, int]": (_is_ints, lambda v: tuple(map(int, v))),
+}
+
+
+def _typed(name: str, value, annotation: str):
+    """`value` as the plain Python type its annotation names; ConfigError for anything else (a
+    string "64", or a bool where a number belongs). Annotations not in `_TYPES` are not checked."""
+    base, _, optional = annotation.partition(" | ")
+    if base not in _TYPES or value is None and optional == "None":
+        return value
+    accepts, normalise = _TYPES[base]
+    if not accepts(value):
+        raise ConfigError(f"config field {name} must be {annotation.replace(' | None', ' or None')}, got {value!r}")
+    return normalise(value)
+
+
 def validate_skip(skip, num_layers: int) -> tuple[int, int]:
     """Checks an inclusive skip range [l, h] and returns it as a tuple of ints."""
-    try:
-        low, high = (int(i) for i in skip)
-    except (TypeError, ValueError):
-        raise ConfigError(f"skip range must be a pair (l, h), got {skip!r}") from None
+    if isinstance(skip, (str, bytes)) or not hasattr(skip, "__len__") or len(skip) != 2 or not all(map(_is_int, skip)):
+        raise ConfigError(f"skip range must be a pair of ints (l, h), got {skip!r}")
+    low, high = (int(i) for i in skip)
     if not 0 <= low <= high < num_layers:
         raise ConfigError(f"skip range [{low}, {high}] is outside the model's layers 0..{num_layers - 1}")
     if high - low + 1 == num_layers:
