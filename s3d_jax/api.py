@@ -38,11 +38,12 @@ def check_token_ids(token_ids: np.ndarray, config: ModelConfig) -> None:
 @functools.partial(jax.jit, static_argnames="config")
 def _full_logits(params, config: ModelConfig, token_ids_BT):
     hidden, _ = full_pass(params, config, token_ids_BT)
-    return lm_logits(params, config, hidden)
+    return lm_logits(params, config, hidden)[..., : config.output_vocab_size or config.vocab_size]
 
 
 def logits(model: Model, token_ids) -> jax.Array:
-    """Full-model float32 logits `[batch, time, vocab]` for a rectangular batch of token ids."""
+    """Full-model float32 logits `[batch, time, vocab]` for a rectangular batch of token ids, over the
+    model's vocabulary (the padding rows a conversion adds are left out)."""
     token_ids = np.asarray(token_ids, dtype=np.int64)
     if token_ids.ndim == 1:
         token_ids = token_ids[None]
@@ -50,7 +51,7 @@ def logits(model: Model, token_ids) -> jax.Array:
         raise ValueError(f"token_ids must be [time] or [batch, time], got shape {token_ids.shape}")
     check_token_ids(token_ids, model.config)
     out = _full_logits(model.params, model.config, jnp.asarray(token_ids, jnp.int32))
-    chex.assert_shape(out, (*token_ids.shape, model.config.vocab_size))
+    chex.assert_shape(out, (*token_ids.shape, model.config.output_vocab_size or model.config.vocab_size))
     return out
 
 

@@ -28,7 +28,7 @@ def gguf_path() -> Path:
 def model_dir() -> Path:
     """Where the converted model lives: `$S3D_JAX_CACHE`, else `$XDG_CACHE_HOME/s3d_jax` or `~/.cache/s3d_jax`."""
     root = os.environ.get("S3D_JAX_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "s3d_jax"
-    return Path(root) / "SmolLM2-135M-Instruct"
+    return Path(root) / f"SmolLM2-135M-Instruct.format{checkpoint.FORMAT}"  # a new format converts afresh
 
 
 def ensure_converted() -> Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import secrets
 import shutil
@@ -28,6 +29,8 @@ from s3d_jax.model import abstract_params
 
 CONFIG_FILE = "s3d_config.json"
 PARAMS_DIR = "params"
+# Version of the directory's layout, stored in CONFIG_FILE. 2: vocabulary tables are [D, V] and padded.
+FORMAT = 2
 
 
 class CheckpointError(ValueError):
@@ -50,7 +53,7 @@ def save(path: str | os.PathLike, params, config: ModelConfig, tokenizer=None, o
     with atomic_dir(path, overwrite) as tmp:
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(tmp / PARAMS_DIR, params)
-        (tmp / CONFIG_FILE).write_text(config.to_json())
+        (tmp / CONFIG_FILE).write_text(json.dumps({"format": FORMAT, **json.loads(config.to_json())}, indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return path
@@ -105,7 +108,16 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     if not (path / CONFIG_FILE).exists():
         raise CheckpointError(f"{path} is not an s3d_jax model: {CONFIG_FILE} is missing (convert with tools/convert_hf.py)")
     try:
-        return ModelConfig.from_json((path / CONFIG_FILE).read_text())
+        fields = json.loads((path / CONFIG_FILE).read_text())
+        stored = fields.pop("format", 1) if isinstance(fields, dict) else None
+    except ValueError as e:
+        raise CheckpointError(f"{path / CONFIG_FILE} is not valid JSON: {e}") from None
+    if stored != FORMAT:
+        raise CheckpointError(
+            f"{path} holds model format {stored}, and this s3d_jax reads format {FORMAT}: convert the model again with tools/convert_hf.py"
+        )
+    try:
+        return ModelConfig.from_json(json.dumps(fields))
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path / CONFIG_FILE} is not a valid model config: {e}") from None
 
@@ -134,11 +146,17 @@ def load(path: str | os.PathLike, dtype: str | None = None) -> Model:
 
 
 def load_tokenizer(path: Path):
-    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
-        return None
-    from transformers import AutoTokenizer
+    """The tokenizer saved beside a model, or None. A `tokenizer.json` loads as a fast tokenizer
+    directly: `AutoTokenizer` would import PyTorch when it is installed, some 250 MB of memory."""
+    if (path / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
 
-    return AutoTokenizer.from_pretrained(str(path))
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    if (path / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+    return None
 
 
 def check_params(params, config: ModelConfig) -> None:

@@ -34,6 +34,9 @@ class ModelConfig:
     dtype: str = "float32"
     # S3D: the mask token's embedding row, and the drafter defaults a trained checkpoint records.
     mask_token_id: int | None = None
+    # Rows of the vocabulary at and past this index are padding (added so the head's matmul has a
+    # multiple-of-128 shape): never produced, like the mask row. None: no padding.
+    output_vocab_size: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     draft_skip: tuple[int, int] | None = None
     draft_gamma: int | None = None
@@ -53,6 +56,8 @@ class ModelConfig:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the vocabulary of {self.vocab_size}")
+        if self.output_vocab_size is not None and not 0 < self.output_vocab_size <= self.vocab_size:
+            raise ConfigError(f"output_vocab_size {self.output_vocab_size} must be in [1, vocab_size {self.vocab_size}]")
         if self.draft_skip is not None:
             validate_skip(self.draft_skip, self.num_layers)
         # Normalise JSON lists into hashable tuples.

@@ -157,7 +157,9 @@ class Transformer(nn.Module):
 
     def setup(self):
         c = self.config
-        self.embedding = self.param("embed", init_normal, (c.vocab_size, c.hidden_size), c.jnp_dtype)
+        # One column per token, [D, V]: the layout the (tied) head's matmul reads in place. A step
+        # looks up only B x T columns, so the lookup's layout hardly matters.
+        self.embedding = self.param("embed", init_normal, (c.hidden_size, c.vocab_size), c.jnp_dtype)
         self.blocks = [Block(c, name=f"layer_{i}") for i in range(c.num_layers)]
         self.final_norm = RMSNorm(c.rms_norm_eps, c.jnp_dtype)
         if not c.tie_embeddings:
@@ -179,7 +181,7 @@ class Transformer(nn.Module):
         of `layers`. `draft` applies the
         draft-only adapters, if the model has them.
         """
-        x_BTD = jnp.take(self.embedding, tokens_BT, axis=0)
+        x_BTD = jnp.moveaxis(jnp.take(self.embedding, tokens_BT, axis=1), 0, -1)
         block_kvs = []
         for layer, context_kv in zip(layers, context_kvs, strict=True):
             x_BTD, kv = self.blocks[layer](x_BTD, positions_BT, context_kv, context_mask_BTS, block_mask_BTT, draft)
@@ -188,7 +190,7 @@ class Transformer(nn.Module):
 
     def logits(self, hidden_BTD):
         """Float32 logits over the whole embedding table (the mask row included)."""
-        head_DV = self.embedding.T if self.config.tie_embeddings else self.lm_head
+        head_DV = self.embedding if self.config.tie_embeddings else self.lm_head
         return jnp.einsum("btd,dv->btv", hidden_BTD, head_DV, preferred_element_type=jnp.float32)
 
     def full(self, tokens_BT, positions_BT, mask_BTT):
@@ -249,6 +251,9 @@ def lm_logits(params, config: ModelConfig, hidden_BTD):
 
 
 def head_logits(params, config: ModelConfig, hidden_BTD):
-    """Float32 logits with the mask token's forced to -inf: drafts and outputs never produce it."""
+    """Float32 logits with the mask token's and the padding rows' forced to -inf: drafts and outputs
+    never produce them."""
     logits = lm_logits(params, config, hidden_BTD)
+    if config.output_vocab_size is not None:
+        logits = logits.at[..., config.output_vocab_size :].set(NEG_INF)
     return logits if config.mask_token_id is None else logits.at[..., config.mask_token_id].set(NEG_INF)

@@ -1,4 +1,4 @@
-"""The speedup model of method.md ("Predicting the speedup"): fit it, and pick the best (l, h, γ).
+"""The speedup model of docs/design.md ("Predicting the speedup"): fit it, and pick the best (l, h, γ).
 
     python -m s3d_jax.predict --drafters runs/skip_a/model runs/skip_b/model runs/skip_c/model
     python -m s3d_jax.predict --drafters ... --sweep          # also measure every setting, and plot both
@@ -10,7 +10,7 @@ Model:
   E     = 1 + Σ_{i≤γ} Π_{j≤i} α_j
   speedup = E · t(1) / (r · t(γ) + t(γ+1) + ε · t(1))
 where t(T) is the measured time of a full pass over T tokens; with --assume-constant t(T) = C
-(a memory-bound device), which gives method.md's E / (1 + r + ε).
+(a memory-bound device), which gives docs/design.md's E / (1 + r + ε).
 """
 
 from __future__ import annotations
@@ -21,9 +21,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from matplotlib.figure import Figure
 
-from s3d_jax.api import acceptance_per_depth, tokens_per_iteration
-from s3d_jax.bench import expected_tokens
+from s3d_jax import api
+from s3d_jax.bench.methods import decode_prompts
+from s3d_jax.bench.suites import load_suite
+from s3d_jax.bench.timing import verify_ms
+from s3d_jax.metrics import acceptance_per_depth, expected_tokens, tokens_per_iteration
+from s3d_jax.options import DecodeOptions
 
 
 def draft_ratio(config, skip) -> float:
@@ -89,19 +94,11 @@ def interpolated(times: dict[int, float]):
         (times[ts[-1]] - times[ts[0]]) / max(ts[-1] - ts[0], 1))
 
 
-def measure(model, questions: int, max_new_tokens: int, method: str = "s3d", gamma: int | None = None):
-    """Decode the first turn of `questions` MT-Bench questions: (tokens/s, summed accept histogram)."""
-    import s3d_jax
-    from s3d_jax.bench import load_suite
-
-    tokens = seconds = 0.0
-    hist = None
-    for item in load_suite("mt_bench", questions):
-        out = s3d_jax.decode(model, item["turns"][0], chat=True, method=method, gamma=gamma, max_new_tokens=max_new_tokens)
-        tokens, seconds = tokens + sum(out.stats.generated_tokens), seconds + out.stats.decode_seconds
-        h = np.sum(out.stats.accept_histogram, axis=0)
-        hist = h if hist is None else hist + h
-    return tokens / seconds, hist
+def measure(model, questions: int, options: DecodeOptions):
+    """Decodes the first turn of `questions` MT-Bench questions: (tokens/s, pooled accept histogram)."""
+    first_turns = [{**q, "turns": q["turns"][:1]} for q in load_suite("mt_bench", questions)]
+    decoded = decode_prompts(model, {"mt_bench": first_turns}, options)
+    return decoded.tokens_per_second, decoded.histogram
 
 
 def main(argv=None) -> int:
@@ -118,23 +115,21 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/predict")
     args = p.parse_args(argv)
 
-    import s3d_jax
-    from s3d_jax.bench import verify_ms
-
     if not args.drafters and not args.acceptance:
         p.error("give --drafters to measure, or --acceptance with measured values")
-    base = s3d_jax.load(args.model or (args.drafters[0] if args.drafters else None))
+    base = api.load(args.model or (args.drafters[0] if args.drafters else None))
     config = base.config
     points = json.loads(Path(args.acceptance).read_text()) if args.acceptance else []
+    greedy = DecodeOptions(chat=True, max_new_tokens=args.max_new_tokens)
     drafters, at_max_gamma = {}, {}  # the γ = max run serves both the fit and the sweep
     for path in args.drafters:
-        drafter = s3d_jax.load(path)
+        drafter = api.load(path)
         if drafter.config.draft_skip is None:
             p.error(f"{path} records no skip range; train it with s3d_jax.train")
         print(f"measuring acceptance of {path} (skip {drafter.config.draft_skip}) ...", file=sys.stderr)
         skip = tuple(drafter.config.draft_skip)
         drafters[skip] = drafter
-        at_max_gamma[skip] = measure(drafter, args.questions, args.max_new_tokens, gamma=args.max_gamma)
+        at_max_gamma[skip] = measure(drafter, args.questions, greedy.replace(gamma=args.max_gamma))
         points.append({"skip": list(drafter.config.draft_skip), "acceptance_per_depth": acceptance_per_depth(at_max_gamma[skip][1])})
     for point in points:
         point["r"] = draft_ratio(config, point["skip"])
@@ -146,22 +141,25 @@ def main(argv=None) -> int:
         times = {t: verify_ms(base, t) for t in (1, 2, 4, args.max_gamma + 1)}
     t = interpolated(times)
 
-    grid = [(skip, gamma, draft_ratio(config, skip)) for skip in symmetric_skips(config.num_layers) for gamma in range(1, args.max_gamma + 1)]
-    predictions = [{"skip": list(skip), "gamma": gamma, "r": r, "predicted_speedup": predict_speedup(r, gamma, c, kappa, delta, t, args.epsilon)}
-                   for skip, gamma, r in grid]
+    def predicted(skip, gamma: int) -> float:
+        return predict_speedup(draft_ratio(config, skip), gamma, c, kappa, delta, t, args.epsilon)
+
+    gammas = range(1, args.max_gamma + 1)
+    predictions = [{"skip": list(skip), "gamma": gamma, "r": draft_ratio(config, skip), "predicted_speedup": predicted(skip, gamma)}
+                   for skip in symmetric_skips(config.num_layers) for gamma in gammas]
     best = max(predictions, key=lambda q: q["predicted_speedup"])
     report = {"fit": {"c": c, "kappa": kappa, "delta": delta.tolist(), "pass_ms": times}, "points": points, "best_predicted": best}
     if args.sweep:
         measured = []
         for skip, drafter in drafters.items():
             print(f"measuring the speedup of skip {list(skip)} for gamma 1..{args.max_gamma} ...", file=sys.stderr)
-            plain, _ = measure(drafter, args.questions, args.max_new_tokens, method="ar")
+            plain, _ = measure(drafter, args.questions, greedy.replace(method="ar"))
             r = draft_ratio(config, skip)
-            for gamma in range(1, args.max_gamma + 1):
-                speed, hist = at_max_gamma[skip] if gamma == args.max_gamma else measure(drafter, args.questions, args.max_new_tokens, gamma=gamma)
+            for gamma in gammas:
+                options = greedy.replace(gamma=gamma)
+                speed, hist = at_max_gamma[skip] if gamma == args.max_gamma else measure(drafter, args.questions, options)
                 measured.append({"skip": list(skip), "gamma": gamma, "r": r, "measured_speedup": speed / plain,
-                                 "tokens_per_iteration": tokens_per_iteration(hist),
-                                 "predicted_speedup": predict_speedup(r, gamma, c, kappa, delta, t, args.epsilon)})
+                                 "tokens_per_iteration": tokens_per_iteration(hist), "predicted_speedup": predicted(skip, gamma)})
         report["measured"] = measured
         report["best_measured"] = max(measured, key=lambda q: q["measured_speedup"])
     out = Path(args.out)
@@ -178,12 +176,8 @@ def main(argv=None) -> int:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    left, right = fig.subplots(1, 2)
     rs = np.linspace(0.05, 1.0, 100)
     fit = report["fit"]
     left.plot(rs, first_acceptance(rs, fit["c"], fit["kappa"]), label="fitted alpha_1(r)")
@@ -203,7 +197,6 @@ def plot(report: dict, path: Path) -> None:
         right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ SHARDING_RULES = [
     (r"\['o'\]$", ("model", None, "fsdp")),
     (r"\['(gate|up)'\]$", ("fsdp", "model")),
     (r"\['down'\]$", ("model", "fsdp")),
-    (r"\['embed'\]$", ("model", "fsdp")),
+    (r"\['embed'\]$", ("fsdp", "model")),
     (r"\['lm_head'\]$", ("fsdp", "model")),
 ]
 

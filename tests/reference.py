@@ -79,8 +79,8 @@ def numpy_logits(model: Model, tokens, layers=None, frozen_prefix: int = 0):
     """
     c = model.config
     params = jax.tree.map(lambda a: np.asarray(a, np.float64), model.params)
-    embed = params["embed"]
-    x = embed[np.asarray(tokens)]
+    embed_DV = params["embed"]
+    x = embed_DV[:, np.asarray(tokens)].T
     full_inputs = [x]
     for i in range(c.num_layers):
         full_inputs.append(_layer(params[f"layer_{i}"], full_inputs[-1], c))
@@ -89,5 +89,5 @@ def numpy_logits(model: Model, tokens, layers=None, frozen_prefix: int = 0):
         x[:frozen_prefix] = full_inputs[i][:frozen_prefix]
         x = _layer(params[f"layer_{i}"], x, c)
     x = _rms(x, params["final_norm"]["scale"], c.rms_norm_eps)
-    head = embed.T if c.tie_embeddings else params["lm_head"]
+    head = embed_DV if c.tie_embeddings else params["lm_head"]
     return x @ head

@@ -4,12 +4,15 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from reference import tiny_model
 
 from s3d_jax import bundled, checkpoint
-from s3d_jax.bench import expected_tokens, humaneval_completion, memory_normalised_speedup, pass_at_1, rouge
+from s3d_jax.bench.quality import pass_at_1, rouge
+from s3d_jax.bench.suites import humaneval_completion
+from s3d_jax.metrics import expected_tokens, memory_normalised_speedup
 
 
 def test_memory_normalised_speedup():
@@ -55,7 +58,8 @@ def test_bench_smoke_on_a_tiny_model(tmp_path):
     for name in ("table.md", "results.csv", "raw.json", "speedup.png", "acceptance.png"):
         assert (out / name).stat().st_size > 0, name
     rows = list(csv.DictReader((out / "results.csv").open()))
-    assert {(r["suite"], r["engine"]) for r in rows} == {(s, e) for s in ("mt_bench", "humaneval", "news") for e in ("ar", "selfspec", "s3d", "s3d_sample", "hf")}
+    engines = ("ar", "selfspec", "s3d", "s3d_sample", "hf")
+    assert {(r["suite"], r["engine"]) for r in rows} == {(s, e) for s in ("mt_bench", "humaneval", "news") for e in engines}
     for r in rows:
         if r["engine"] in ("selfspec", "s3d", "hf"):
             # Greedy speculative output equals plain greedy; so does transformers on the exported weights.
@@ -65,7 +69,8 @@ def test_bench_smoke_on_a_tiny_model(tmp_path):
     assert "| mt_bench | s3d |" in (out / "table.md").read_text()
 
 
-@pytest.mark.parametrize("args,message", [(["--suite", "gsm8k"], "unknown suite"), (["--methods", "medusa"], "unknown method"), (["--limit", "0"], "--limit must be at least 1")])
+@pytest.mark.parametrize("args,message", [(["--suite", "gsm8k"], "unknown suite"), (["--methods", "medusa"], "unknown method"),
+                                          (["--limit", "0"], "--limit must be at least 1")])
 def test_bench_bad_input(args, message):
     result = subprocess.run([sys.executable, "-m", "s3d_jax.bench", *args], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr
@@ -74,12 +79,46 @@ def test_bench_bad_input(args, message):
 def test_bench_refuses_s3d_without_a_mask_row(tmp_path):
     model = tiny_model(mask_token_id=None)
     checkpoint.save(tmp_path / "model", model.params, model.config)
-    result = subprocess.run([sys.executable, "-m", "s3d_jax.bench", "--model", str(tmp_path / "model"), "--suite", "mt_bench", "--limit", "1"],
-                            capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-m", "s3d_jax.bench", "--model", str(tmp_path / "model"), "--suite", "mt_bench", "--limit", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "no mask token row" in result.stderr
 
 
 def test_the_bench_module_leaves_jax_out():
-    """Each transformers peer runs in a process that imports s3d_jax.bench; JAX's own memory must not count against it."""
-    code = "import sys, s3d_jax.bench; sys.exit(int('jax' in sys.modules))"
+    """Each transformers peer runs in a process that imports s3d_jax.bench and its peers module; JAX's own memory must not count
+    against it."""
+    code = "import sys, s3d_jax.bench, s3d_jax.bench.peers, s3d_jax.bench.report; sys.exit(int('jax' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_bench_decode_on_a_tiny_model(tmp_path):
+    """tools/bench_decode.py: pass costs and every method in s3d_jax's process, transformers in the bench's peer process."""
+    model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, hidden_size=32, intermediate_size=64, head_dim=8)
+    checkpoint.save(tmp_path / "model", model.params, model.config.replace(eos_token_ids=(2,)), bundled.tokenizer())
+    command = [sys.executable, "tools/bench_decode.py", "--model", str(tmp_path / "model"), "--prompts", "2", "--max-new-tokens", "6",
+               "--gamma", "2", "--gammas", "2", "--context", "16", "--repeats", "2", "--quiet", "--out", str(tmp_path / "out")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "bench_decode.json").read_text())
+    assert set(results["jax"]["pass_ms"]) == {"plain step (1 token)", "s3d draft, gamma=2", "verify, 3 tokens"}
+    # No EOS on either side: every prompt runs to --max-new-tokens.
+    assert [results["jax"]["methods"][m]["tokens"] for m in ("ar", "selfspec", "s3d")] == [12, 12, 12]
+    assert results["hf"]["tokens"] == 12 and results["hf"]["tokens_per_s"] > 0
+    assert (tmp_path / "out" / "bench_decode.png").stat().st_size > 0
+
+
+def test_llama_cpp_peer_missing_names_the_extra(monkeypatch, tmp_path):
+    import importlib.util
+
+    from s3d_jax.bench import llama_cpp_peer
+    from s3d_jax.bench.__main__ import main
+    from s3d_jax.bench.suites import BenchError
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real_find_spec(name, *a))
+    with pytest.raises(BenchError, match=r"llama-cpp-python: pip install 's3d-jax\[llama\]'"):
+        llama_cpp_peer.require()
+    model = tiny_model(seed=0)
+    checkpoint.save(tmp_path / "model", model.params, model.config)
+    with pytest.raises(BenchError, match=r"s3d-jax\[llama\]"):
+        main(["--model", str(tmp_path / "model"), "--suite", "mt_bench", "--limit", "1", "--peers", "llama_cpp", "--out", str(tmp_path)])

@@ -84,8 +84,8 @@ def random_ids(n=2, t=16, seed=1):
     return np.random.default_rng(seed).integers(0, VOCAB, (n, t))
 
 
-def assert_parity(label, model, out_dir, ids, rtol=RTOL):
-    ref = hf_logits(model, ids)
+def assert_parity(label, model, out_dir, ids, rtol=RTOL, vocab=None):
+    ref = hf_logits(model, ids)[..., :vocab]
     err = relative_error(our_logits(out_dir, ids, ref.shape[-1]), ref)
     print(f"\nPARITY {label}: max relative error {err:.2e} (tolerance {rtol:.0e})")
     assert err < rtol, f"{label}: max relative error {err:.2e} >= {rtol:.0e}"
@@ -119,20 +119,23 @@ def test_random_model_parity(case, tmp_path):
     assert (c.num_heads, c.num_kv_heads, c.tie_embeddings) == (spec["heads"], spec["kv_heads"], spec["tied"])
     assert c.eos_token_ids == (2,)
     # No tokenizer, so the mask token gets a new row: the mean embedding, and a zero logit column.
-    assert (c.vocab_size, c.mask_token_id) == (VOCAB + 1, VOCAB)
-    embed = np.asarray(loaded.params["embed"])
-    np.testing.assert_allclose(embed[VOCAB], embed[:VOCAB].mean(0), rtol=1e-5, atol=1e-6)
+    # Then zero padding rows up to a multiple of 128, which are never produced.
+    assert (c.vocab_size, c.mask_token_id, c.output_vocab_size) == (128, VOCAB, VOCAB)
+    embed_DV = np.asarray(loaded.params["embed"])
+    np.testing.assert_allclose(embed_DV[:, VOCAB], embed_DV[:, :VOCAB].mean(1), rtol=1e-5, atol=1e-6)
+    assert not embed_DV[:, VOCAB + 1 :].any()
     if not c.tie_embeddings:
-        assert not np.asarray(loaded.params["lm_head"])[:, VOCAB].any()
+        assert not np.asarray(loaded.params["lm_head"])[:, VOCAB:].any()
 
-    # Back to transformers (`--to-hf`): the same logits, the mask column included, and the same params
-    # when converted again (the mask row is now the last row of a vocabulary larger than no tokenizer).
+    # Back to transformers (`--to-hf`): the same logits over the vocabulary (the export keeps the mask
+    # row and drops the padding), and the same params and config when converted again.
     from transformers import AutoModelForCausalLM
 
     export_hf(loaded, tmp_path / "back")
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
     assert type(exported).__name__ == type(model).__name__
-    assert_parity(f"{case} exported", exported, out, random_ids())
+    assert exported.config.vocab_size == VOCAB + 1
+    assert_parity(f"{case} exported", exported, out, random_ids(), vocab=VOCAB)
     again = s3d_jax.load(convert(tmp_path / "back", tmp_path / "again", progress=False))
     assert again.config == c
     for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(loaded.params), strict=True):
@@ -228,10 +231,10 @@ def test_mask_row_plan():
 
 def test_add_mask_row_reserved_keeps_shapes():
     config = ModelConfig("phi3", 10, 4, 8, 1, 2, 2, 2)
-    params = {"embed": np.ones((10, 4), np.float32), "lm_head": np.ones((4, 10), np.float32)}
+    params = {"embed": np.ones((4, 10), np.float32), "lm_head": np.ones((4, 10), np.float32)}
     new_params, new_config = add_mask_row(dict(params), config, tokenizer_size=7)
     assert new_config.vocab_size == 10 and new_config.mask_token_id == 9
-    assert new_params["embed"].shape == (10, 4) and new_params["lm_head"].shape == (4, 10)
+    assert new_params["embed"].shape == (4, 10) and new_params["lm_head"].shape == (4, 10)
 
 
 def test_mask_row_reserved_with_small_tokenizer(tmp_path):
@@ -248,7 +251,8 @@ def test_mask_row_reserved_with_small_tokenizer(tmp_path):
 
     out = convert(tmp_path / "hf", tmp_path / "out", progress=False)
     loaded = s3d_jax.load(out)
-    assert (loaded.config.vocab_size, loaded.config.mask_token_id) == (VOCAB, VOCAB - 1)
+    # The model's own rows stay (the mask is its last one), then zero padding up to 128 rows.
+    assert (loaded.config.vocab_size, loaded.config.mask_token_id, loaded.config.output_vocab_size) == (128, VOCAB - 1, VOCAB)
     assert len(loaded.tokenizer) == 80
     assert loaded.tokenizer("w5 w7").input_ids == [5, 7]
     assert_parity("phi3 reserved mask row", model, out, random_ids())
@@ -415,6 +419,15 @@ def test_edited_layer_count_fails_to_load(tiny_hf_dir, tmp_path):
         checkpoint.load(out)
 
 
+def test_older_format_asks_for_a_new_conversion(tiny_hf_dir, tmp_path):
+    out = convert(tiny_hf_dir, tmp_path / "out", progress=False)
+    config = json.loads((out / "s3d_config.json").read_text())
+    assert config.pop("format") == checkpoint.FORMAT
+    (out / "s3d_config.json").write_text(json.dumps(config))  # as format 1 wrote it
+    with pytest.raises(CheckpointError, match="holds model format 1, and this s3d_jax reads format 2: convert the model again"):
+        s3d_jax.load(out)
+
+
 def test_cli_error_exits_2(tmp_path, capsys):
     assert main([str(tmp_path / "nowhere"), str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
@@ -448,13 +461,15 @@ def test_smollm2_logits(smollm2_dir, hf_smollm2):
     loaded = s3d_jax.load(smollm2_dir)
     c = loaded.config
     assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.tie_embeddings) == ("llama", 30, 9, 3, True)
-    assert (c.vocab_size, c.mask_token_id) == (49153, 49152)  # appended mask row
+    # An appended mask row, then zero padding to 385 x 128 rows; only the first 49152 are produced.
+    assert (c.vocab_size, c.mask_token_id, c.output_vocab_size) == (49280, 49152, 49152)
     assert c.eos_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
     for prompt in PROMPTS:
         ids = np.asarray([tokenizer(prompt).input_ids])
         ref = hf_logits(model, ids)
         got = np.asarray(s3d_jax.logits(loaded, ids))
-        err = relative_error(got[..., :49152], ref)  # the first 49152 logits are the original model's
+        assert got.shape == ref.shape  # logits cover the model's own vocabulary
+        err = relative_error(got, ref)
         print(f"\nPARITY smollm2 {prompt[:20]!r}: max relative error {err:.2e}")
         assert err < RTOL
     ids = np.asarray([tokenizer(PROMPTS[0]).input_ids])
@@ -477,9 +492,10 @@ def test_smollm2_tokenizer(smollm2_dir, hf_smollm2):
 @pytest.mark.slow
 def test_smollm2_mask_row(smollm2_dir):
     loaded = s3d_jax.load(smollm2_dir)
-    embed = np.asarray(loaded.params["embed"])
-    assert embed.shape == (49153, 576)
-    np.testing.assert_allclose(embed[49152], embed[:49152].mean(0), rtol=1e-4, atol=1e-6)
+    embed_DV = np.asarray(loaded.params["embed"])
+    assert embed_DV.shape == (576, 49280) and loaded.config.output_vocab_size == 49152
+    np.testing.assert_allclose(embed_DV[:, 49152], embed_DV[:, :49152].mean(1), rtol=1e-4, atol=1e-6)
+    assert not embed_DV[:, 49153:].any()
 
 
 @pytest.mark.slow

@@ -51,7 +51,7 @@ def test_cli_sweep_on_tiny_drafters(tmp_path):
 
     from reference import tiny_model
 
-    from s3d_jax import checkpoint
+    from s3d_jax import bundled, checkpoint
 
     tokenizer = bundled.tokenizer()
     model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, num_layers=6, hidden_size=32, intermediate_size=64, head_dim=8)

@@ -137,11 +137,11 @@ def test_draft_only_lora_leaves_the_verifier_bit_identical(tmp_path):
     assert np.array_equal(np.delete(got, mask_id, axis=-1), np.delete(want, mask_id, axis=-1))
     lora = [v for k, v in leaves(trained_model.params).items() if "_lora']['b']" in k]
     assert lora and any(np.abs(v).max() > 0 for v in lora), "the adapters trained"
-    # Of the shared weights, only the mask token's embedding row moved.
+    # Of the shared weights, only the mask token's embedding column moved.
     before, after = leaves(original.params), leaves(trained_model.params)
     assert all(before[k].tobytes() == after[k].tobytes() for k in before if k != "['embed']")
-    changed_rows = np.flatnonzero(np.any(before["['embed']"] != after["['embed']"], axis=1))
-    assert changed_rows.tolist() == [cfg.model.mask_token_id]
+    changed_columns = np.flatnonzero(np.any(before["['embed']"] != after["['embed']"], axis=0))
+    assert changed_columns.tolist() == [cfg.model.mask_token_id]
     # Decoding with the adapters stays exact against the original model's greedy output.
     prompt = [1, 2, 3, 4, 5]
     plain = s3d_jax.decode(original, prompt, method="ar", max_new_tokens=10, eos_token_ids=())

@@ -31,7 +31,7 @@ from s3d_jax.config import DTYPES, ConfigError, ModelConfig
 from s3d_jax.convert.export import config_to_hf, export_hf
 from s3d_jax.convert.gguf_file import read_gguf
 from s3d_jax.convert.layout import params_from_hf, params_to_hf
-from s3d_jax.convert.mask_row import add_mask_row, mask_row_plan
+from s3d_jax.convert.mask_row import add_mask_row, mask_row_plan, pad_vocab
 from s3d_jax.convert.readers import HFSource, read_hf_dir
 from s3d_jax.model import abstract_params
 
@@ -91,6 +91,7 @@ def convert(src: str | Path, out: str | Path, dtype: str = "float32", progress: 
     tokenizer_size = len(source.tokenizer) if source.tokenizer is not None else None
     recorded = source.config.get("s3d") or {}  # written by `export_hf`
     params, config = add_mask_row(params, config, tokenizer_size, recorded.get("mask_token_id"))
+    params, config = pad_vocab(params, config, recorded.get("output_vocab_size"))
     if recorded.get("draft_skip"):
         config = config.replace(draft_skip=tuple(recorded["draft_skip"]), draft_gamma=recorded.get("draft_gamma", config.draft_gamma))
     return checkpoint.save(out, params, config, source.tokenizer, overwrite=overwrite)

@@ -11,19 +11,21 @@ from safetensors.numpy import save_file
 from s3d_jax.checkpoint import Model, atomic_dir
 from s3d_jax.config import ModelConfig
 from s3d_jax.convert.layout import params_to_hf
+from s3d_jax.convert.mask_row import hf_vocab_rows, unpad_vocab
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def export_hf(model: Model, out: str | Path, overwrite: bool = False) -> Path:
     """Writes `model` (params, config, tokenizer) as a float32 Hugging Face directory that transformers loads.
-    The mask row stays in the vocabulary, so converting the directory back gives the same model.
-    Written atomically; a non-empty `out` is refused unless `overwrite`, and then replaced whole
-    (no stale shard or index of an older model survives beside the new file)."""
+    The mask row stays in the vocabulary and the padding rows are dropped, so converting the directory
+    back gives the same model. Written atomically; a non-empty `out` is refused unless `overwrite`, and
+    then replaced whole (no stale shard or index of an older model survives beside the new file)."""
+    params, config = unpad_vocab(dict(model.params), model.config)
     with atomic_dir(out, overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=1))
         (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": list(model.config.eos_token_ids)}))
-        save_file(params_to_hf(model.params, model.config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(params_to_hf(params, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if model.tokenizer is not None:
             model.tokenizer.save_pretrained(str(tmp))
     return Path(out).absolute()
@@ -33,7 +35,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     hf = {
         "architectures": [HF_CLASSES[config.architecture]],
         "model_type": config.architecture,
-        "vocab_size": config.vocab_size,
+        "vocab_size": hf_vocab_rows(config),
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.num_layers,
@@ -48,7 +50,8 @@ def config_to_hf(config: ModelConfig) -> dict:
         "eos_token_id": list(config.eos_token_ids),
         "pad_token_id": None,  # else Phi3Config assumes 32000, which a small vocabulary lacks
         "dtype": "float32",
-        "s3d": {"mask_token_id": config.mask_token_id},  # read back by `convert`
+        # Read back by `convert`.
+        "s3d": {"mask_token_id": config.mask_token_id, "output_vocab_size": config.output_vocab_size},
     }
     if config.draft_skip is not None and not config.draft_lora_rank:  # LoRA drafters lose their adapters
         hf["s3d"].update(draft_skip=list(config.draft_skip), draft_gamma=config.draft_gamma)

@@ -41,8 +41,7 @@ def _transposed(hf_shape) -> Reshape:  # torch Linear [out, in] <-> [in, out]
 
 
 NORM = Reshape(lambda c: (c.hidden_size,), _same, _same)  # [D] RMSNorm scales
-EMBED = Reshape(lambda c: (c.vocab_size, c.hidden_size), _same, _same)  # [V, D]
-LM_HEAD = _transposed(lambda c: (c.vocab_size, c.hidden_size))  # [V, D] <-> [D, V]
+VOCAB_TABLE = _transposed(lambda c: (c.vocab_size, c.hidden_size))  # embedding or head: [V, D] <-> [D, V]
 QUERY = Reshape(  # [H*E, D] <-> [D, H, E]
     lambda c: (c.num_heads * c.head_dim, c.hidden_size),
     lambda w, c: w.T.reshape(c.hidden_size, c.num_heads, c.head_dim),
@@ -93,8 +92,8 @@ class Rule:
 
 _LAYER, _OURS = "model.layers.{i}.", "layer_{i}/"
 RULES = (
-    Rule("model.embed_tokens.weight", (("embed", EMBED),)),
-    Rule("lm_head.weight", (("lm_head", LM_HEAD),)),
+    Rule("model.embed_tokens.weight", (("embed", VOCAB_TABLE),)),
+    Rule("lm_head.weight", (("lm_head", VOCAB_TABLE),)),
     Rule("model.norm.weight", (("final_norm/scale", NORM),)),
     Rule(_LAYER + "input_layernorm.weight", ((_OURS + "attn_norm/scale", NORM),)),
     Rule(_LAYER + "post_attention_layernorm.weight", ((_OURS + "mlp_norm/scale", NORM),)),

@@ -1,5 +1,7 @@
-"""S3D's mask token needs an embedding row (docs/design.md): a padded, unused row when the
-vocabulary has one (Phi-3), else a new row."""
+"""The vocabulary's extra rows (docs/design.md): S3D's mask token needs an embedding row — a padded,
+unused row when the vocabulary has one (Phi-3), else a new row — and the vocabulary is padded to a
+multiple of 128 rows, a shape the head's matmul handles well. Padding rows are zero and never produced.
+Our vocabulary tables are `[D, V]`: a row of the vocabulary is a column here."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ import numpy as np
 
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import ModelConfig
+
+PAD_MULTIPLE = 128
+VOCAB_TABLES = ("embed", "lm_head")
 
 
 def mask_row_plan(vocab_size: int, tokenizer_size: int | None, recorded: int | None = None) -> tuple[int, bool]:
@@ -26,15 +31,40 @@ def mask_row_plan(vocab_size: int, tokenizer_size: int | None, recorded: int | N
 
 
 def add_mask_row(params: dict, config: ModelConfig, tokenizer_size: int | None, recorded: int | None = None) -> tuple[dict, ModelConfig]:
-    """Reserves or appends the mask token's embedding row and records its id in the config.
+    """Reserves or appends the mask token's row and records its id in the config.
     A new row is the mean embedding, with a zero logit column when the head is untied."""
     mask_id, append = mask_row_plan(config.vocab_size, tokenizer_size, recorded)
     if append:
         embed = params["embed"]
-        mean = embed.astype(np.float32).mean(axis=0, keepdims=True).astype(embed.dtype)
-        params = {**params, "embed": np.concatenate([embed, mean], axis=0)}
+        mean = embed.astype(np.float32).mean(axis=1, keepdims=True).astype(embed.dtype)
+        params = {**params, "embed": np.concatenate([embed, mean], axis=1)}
         if not config.tie_embeddings:
-            head = params["lm_head"]
-            params["lm_head"] = np.concatenate([head, np.zeros((head.shape[0], 1), head.dtype)], axis=1)
-        config = config.replace(vocab_size=config.vocab_size + 1)
+            params["lm_head"] = _pad(params["lm_head"], 1)
+        config = config.replace(vocab_size=config.vocab_size + 1, output_vocab_size=config.output_vocab_size or config.vocab_size)
     return params, config.replace(mask_token_id=mask_id)
+
+
+def pad_vocab(params: dict, config: ModelConfig, output_vocab_size: int | None = None) -> tuple[dict, ModelConfig]:
+    """Zero rows up to a multiple of PAD_MULTIPLE; rows from `output_vocab_size` (default: the
+    vocabulary before padding) on are never produced."""
+    padded = -(-config.vocab_size // PAD_MULTIPLE) * PAD_MULTIPLE
+    output = output_vocab_size or config.output_vocab_size or config.vocab_size
+    params = {**params, **{k: _pad(params[k], padded - config.vocab_size) for k in VOCAB_TABLES if k in params}}
+    return params, config.replace(vocab_size=padded, output_vocab_size=None if output == padded else output)
+
+
+def hf_vocab_rows(config: ModelConfig) -> int:
+    """The rows an exported model keeps: every row that can be produced, and the mask row."""
+    rows = config.output_vocab_size or config.vocab_size
+    return max(rows, config.mask_token_id + 1) if config.mask_token_id is not None else rows
+
+
+def unpad_vocab(params: dict, config: ModelConfig) -> tuple[dict, ModelConfig]:
+    """The inverse of `pad_vocab` for export: the padding rows are dropped."""
+    rows = hf_vocab_rows(config)
+    params = {**params, **{k: params[k][:, :rows] for k in VOCAB_TABLES if k in params}}
+    return params, config.replace(vocab_size=rows, output_vocab_size=None)
+
+
+def _pad(table_DV: np.ndarray, columns: int) -> np.ndarray:
+    return np.concatenate([table_DV, np.zeros((table_DV.shape[0], columns), table_DV.dtype)], axis=1)

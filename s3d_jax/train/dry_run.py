@@ -53,11 +53,11 @@ def dry_run(cfg: ml_collections.ConfigDict) -> dict:
 
 
 def parameter_counts(params, masks) -> dict:
-    """Total, trainable and frozen parameters; an embedding row mask counts its rows."""
+    """Total, trainable and frozen parameters; an embedding column mask counts its token columns."""
     counts = {"total": 0, "trainable": 0, "frozen": 0}
     for x, m in zip(jax.tree.leaves(params), jax.tree.leaves(masks), strict=True):
         size = int(np.prod(x.shape))
-        trainable = size if m is True else 0 if m is False else int(np.sum(m)) * x.shape[1]
+        trainable = size if m is True else 0 if m is False else int(np.sum(m)) * x.shape[0]
         counts["total"] += size
         counts["trainable"] += trainable
         counts["frozen"] += size - trainable

@@ -21,7 +21,8 @@ from s3d_jax.train.config import objective_from
 
 
 def trainable_mask(params, config: ModelConfig, skip: tuple[int, int], train_head: bool, lora: bool):
-    """Per parameter: True (trains), False (frozen), or for the embedding a `[V, 1]` row mask.
+    """Per parameter: True (trains), False (frozen), or for the embedding a `[1, V]` mask of
+    its token columns.
 
     The skipped middle layers never train. With draft-only LoRA only the adapters and the mask
     row train, so the verifier stays bit-identical to the original model."""
@@ -34,7 +35,7 @@ def trainable_mask(params, config: ModelConfig, skip: tuple[int, int], train_hea
         if name.startswith("['embed']"):
             if train_head and config.tie_embeddings and not lora:
                 return True
-            return jnp.arange(config.vocab_size)[:, None] == config.mask_token_id
+            return jnp.arange(config.vocab_size)[None, :] == config.mask_token_id
         if name.startswith("['lm_head']") or name.startswith("['final_norm']"):
             return train_head and not lora
         layer = int(re.search(r"layer_(\d+)", name).group(1))

@@ -1,0 +1,44 @@
+"""Each engine in a process of its own, so that its peak memory is its own. No JAX: the parent and
+the transformers peers import it.
+
+The parent calls `run_engine(command, request)`; the child, `python *command REQUEST RESULT`,
+calls `serve(engine, REQUEST, RESULT)`, which writes `engine(request)` as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def run_engine(command: list[str], request: dict) -> dict:
+    """Runs `python *command REQUEST RESULT` on the JSON `request` and returns the result it wrote."""
+    with tempfile.TemporaryDirectory() as scratch:
+        request_path, result_path = Path(scratch) / "request.json", Path(scratch) / "result.json"
+        request_path.write_text(json.dumps(request))
+        subprocess.run([sys.executable, *command, str(request_path), str(result_path)], check=True)
+        return json.loads(result_path.read_text())
+
+
+def serve(engine, request_path: str, result_path: str) -> int:
+    """The child's side of `run_engine`: `engine(request) -> result`, both JSON files."""
+    result = engine(json.loads(Path(request_path).read_text()))
+    Path(result_path).write_text(json.dumps(result))
+    return 0
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def export_for_transformers(model_dir: str, out: str) -> str:
+    """Writes the model under test as a transformers directory, in a child process so that this one
+    stays free of the weights."""
+    print("exporting the model to transformers for the peers ...", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "s3d_jax.convert", model_dir, out, "--to-hf"], check=True)
+    return out

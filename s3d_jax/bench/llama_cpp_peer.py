@@ -1,0 +1,62 @@
+"""llama.cpp's side of the benchmarks, the engine a CPU user would pick instead: the model's GGUF as
+shipped (the bundled SmolLM2 is Q4_1), greedy, through `llama-cpp-python` (the optional extra
+`pip install 's3d-jax[llama]'`). With `lookup`, llama.cpp's own speculative decoding: prompt lookup,
+`LlamaPromptLookupDecoding`. Never imports JAX.
+
+    python -m s3d_jax.bench.llama_cpp_peer REQUEST RESULT     # a child of s3d_jax.bench or tools/bench_decode.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+
+from s3d_jax.bench import harness
+from s3d_jax.bench.suites import BenchError, run_turns
+
+EXTRA = "pip install 's3d-jax[llama]' (it builds llama.cpp, a few minutes)"
+
+
+def require() -> None:
+    """Raises BenchError naming the extra to install when llama-cpp-python is missing."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise BenchError(f"the llama.cpp peer needs llama-cpp-python: {EXTRA}")
+
+
+def run_llama_cpp(request: dict) -> dict:
+    """`gguf` (a file), `tokenizer` (a directory with the same tokenizer and its chat template),
+    `prompts` (see suites.run_turns), `max_new_tokens`, `lookup` (prompt-lookup drafts or none),
+    `stop_at_eos` -> every turn's record and the peak memory."""
+    require()
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    from transformers import PreTrainedTokenizerFast
+
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if request["lookup"] else None
+    llm = llama_cpp.Llama(model_path=request["gguf"], n_ctx=4096, n_threads=os.cpu_count(), draft_model=draft, verbose=False)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(request["tokenizer"])  # the same ids and template as ours
+    eos = {llm.token_eos(), tokenizer.eos_token_id} - {None} if request["stop_at_eos"] else set()
+
+    def generate(item, messages):
+        if messages is None:
+            ids = tokenizer(item["text"])["input_ids"]
+        else:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        llm.reset()
+        tokens, start = [], time.perf_counter()
+        for token in llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            tokens.append(int(token))
+            if token in eos or len(tokens) >= request["max_new_tokens"]:
+                break
+        seconds = time.perf_counter() - start
+        return {"tokens": tokens, "text": tokenizer.decode(tokens, skip_special_tokens=True), "seconds": seconds}
+
+    records = run_turns(request["prompts"], generate)
+    return {"records": records, "peak_memory_mib": harness.peak_rss_mib(), "memory_kind": "process peak RSS",
+            "llama_cpp": llama_cpp.__version__}
+
+
+if __name__ == "__main__":
+    sys.exit(harness.serve(run_llama_cpp, *sys.argv[1:]))

@@ -1,0 +1,72 @@
+"""The cost of one pass, timed inside one jitted loop, and its memory floor: the bytes the pass must
+read divided by the machine's streaming bandwidth, measured by a probe. Imports JAX: only JAX
+processes import it."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from s3d_jax.cache import KVCache
+from s3d_jax.speculative import Plan, draft_s3d, verify
+
+
+def pass_ms(model, pass_fn, context: int = 256, repeats: int = 20) -> float:
+    """Milliseconds of one `pass_fn(params, cache, x_n)` over a cache filled to `context` positions,
+    timed inside one jitted loop (no dispatch overhead). The input token changes every iteration,
+    so XLA cannot hoist the pass out of the loop."""
+    cache = KVCache.zeros(model.config, 1, max(512, context + 16)).replace(lengths=jnp.asarray([context], jnp.int32))
+
+    def loop(params, cache):
+        def body(i, total):
+            return total + pass_fn(params, cache, jnp.full((1,), i % 1000, jnp.int32)).sum()
+
+        return jax.lax.fori_loop(0, repeats, body, jnp.zeros((), jnp.float32))
+
+    fn = jax.jit(loop)
+    jax.block_until_ready(fn(model.params, cache))  # compile and warm up
+    start = time.perf_counter()
+    jax.block_until_ready(fn(model.params, cache))
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def verify_ms(model, tokens: int, **timing) -> float:
+    """A full-model pass over `tokens` tokens (1 is a plain decoding step)."""
+    drafts = jnp.zeros((1, tokens - 1), jnp.int32)
+    return pass_ms(model, lambda p, c, x_n: verify(p, model.config, c, x_n, drafts)[0], **timing)
+
+
+def draft_ms(model, skip, gamma: int, **timing) -> float:
+    """One S3D draft pass of `gamma` tokens through the layers outside `skip`."""
+    plan = Plan.make(model.config, "s3d", gamma, skip)
+    return pass_ms(model, lambda p, c, x_n: draft_s3d(p, model.config, plan, c, x_n, jax.random.key(0))[1], **timing)
+
+
+def bandwidth_gb_s(nbytes: int, repeats: int = 10) -> float:
+    """Streaming read bandwidth in GB/s: the best of `repeats` matrix-vector products over a float32
+    buffer of `nbytes` (size it like the weights, so no cache holds it). A matrix-vector product reads
+    each byte once on every core, as a decoding step does; a plain sum would run on one core."""
+    rows = max(nbytes // (4 * 1024), 1)
+    buffer, vector = jnp.ones((rows, 1024), jnp.float32), jnp.ones((1024,), jnp.float32)
+    product = jax.jit(jnp.dot)
+    jax.block_until_ready(product(buffer, vector))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(product(buffer, vector))
+        best = min(best, time.perf_counter() - start)
+    return buffer.nbytes / best / 1e9
+
+
+def pass_bytes(params, config, layers, context: int) -> int:
+    """What a cached pass through `layers` must read at least: those layers' weights, the head (the
+    tied embedding, else the LM head) and the final norm, and the cached keys and values of `layers`
+    over `context` positions."""
+    head = params["embed"] if config.tie_embeddings else params["lm_head"]
+    weights = sum(x.nbytes for i in layers for x in jax.tree.leaves(params[f"layer_{i}"]))
+    weights += head.nbytes + sum(x.nbytes for x in jax.tree.leaves(params["final_norm"]))
+    cache = 2 * len(layers) * config.num_kv_heads * config.head_dim * context * np.dtype(config.jnp_dtype).itemsize
+    return int(weights + cache)
