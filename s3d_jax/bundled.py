@@ -36,7 +36,7 @@ def ensure_converted() -> Path:
     target = model_dir()
     if not (target / checkpoint.CONFIG_FILE).exists():
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        convert(gguf_path(), tmp)
+        convert(gguf_path(), tmp, overwrite=True)  # this process's own, perhaps left by a killed one with its pid
         try:
             tmp.rename(target)
         except OSError:  # another process finished first

@@ -3,14 +3,20 @@
     OUT/s3d_config.json   ModelConfig
     OUT/params/           orbax StandardCheckpointer tree
     OUT/tokenizer.json …  Hugging Face tokenizer files (optional)
+
+Every model directory this project writes (here, by the converter both ways, and by training) is
+written whole into a temporary sibling and renamed into place by `atomic_dir`, so a crash midway
+leaves the previous directory intact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -41,18 +47,59 @@ class Model:
     tokenizer: Any = None
 
 
-def save(path: str | os.PathLike, params, config: ModelConfig, tokenizer=None) -> Path:
+def save(path: str | os.PathLike, params, config: ModelConfig, tokenizer=None, overwrite: bool = False) -> Path:
+    """Writes a model directory atomically; a non-empty `path` is refused unless `overwrite`, and then replaced whole."""
     path = Path(path).absolute()
     check_params(params, config)
-    path.mkdir(parents=True, exist_ok=True)
-    if (path / PARAMS_DIR).exists():
-        shutil.rmtree(path / PARAMS_DIR)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path / PARAMS_DIR, params)
-    (path / CONFIG_FILE).write_text(json.dumps({"format": FORMAT, **json.loads(config.to_json())}, indent=2))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
+    with atomic_dir(path, overwrite) as tmp:
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(tmp / PARAMS_DIR, params)
+        (tmp / CONFIG_FILE).write_text(json.dumps({"format": FORMAT, **json.loads(config.to_json())}, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
     return path
+
+
+def check_target(out: Path, overwrite: bool) -> None:
+    """Refuses an output path that is a file, or a non-empty directory unless `overwrite` (and never the
+    current directory or one that holds it)."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} exists and is not a directory; choose another output path")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise CheckpointError(f"{out} already exists and is not empty; pass --overwrite (overwrite=True) to replace it whole")
+        if out.resolve() in (Path.cwd(), *Path.cwd().parents):
+            raise CheckpointError(f"refusing to replace {out}: it is or holds the current directory")
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False):
+    """Yields a new temporary directory beside `out` (same filesystem) to write into. When the block
+    completes, the temporary becomes `out`: an old `out` is renamed aside first and removed only after
+    the new one is in place. On any error the temporary is removed and `out` is left as it was."""
+    out = Path(out).absolute()
+    out = out.resolve() if out.is_symlink() else out  # replace what the link points to, not the link
+    check_target(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    tmp, old = out.with_name(f"{out.name}.tmp-{tag}"), out.with_name(f"{out.name}.old-{tag}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        check_target(out, overwrite)  # again: another writer may have finished meanwhile
+        if out.is_dir() and any(out.iterdir()):
+            out.rename(old)
+            try:
+                tmp.rename(out)
+            except OSError:
+                old.rename(out)
+                raise
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)  # replaces an empty directory in one step
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:

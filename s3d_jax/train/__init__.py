@@ -1,9 +1,11 @@
 """Trains the S3D drafter: `python -m s3d_jax.train --config configs/smollm2.py [--config.train.lr=1e-4]`.
 
-The middle layers stay frozen. Checkpoints (params, optimizer state, step, data position, RNG) are
-saved every `train.checkpoint_every` steps, and a killed run started again with the same workdir
-resumes from the newest one. The end result is a model directory that `s3d_jax.load` reads and
-`s3d_jax.decode` uses, with its skip range, gamma and mask id recorded as defaults.
+The middle layers stay frozen. Checkpoints (params, optimizer state, step, data position, RNG, and
+the settings a resumed run must share) are saved every `train.checkpoint_every` steps, and a killed
+run started again with the same workdir resumes from the newest one that reads; one that does not
+is set aside, and a restart under other settings is refused. The end result is a model directory
+that `s3d_jax.load` reads and `s3d_jax.decode` uses, with its skip range, gamma and mask id
+recorded as defaults.
 
     config.py       training configs: defaults, the paper's recipe, the model config and objective they give
     trainer.py      what trains (masks), the optimizer, and the step with gradient accumulation

@@ -4,7 +4,11 @@ directory (the format of `s3d_jax/checkpoint.py`)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import inspect
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -20,7 +24,7 @@ from s3d_jax.checkpoint import CheckpointError, Model
 from s3d_jax.config import ConfigError, ModelConfig
 from s3d_jax.model import init_params
 from s3d_jax.objective import Objective
-from s3d_jax.train.config import model_config_from
+from s3d_jax.train.config import model_config_from, resume_settings
 from s3d_jax.train.trainer import Trainer, TrainState
 
 
@@ -62,35 +66,144 @@ def checkpoint_manager(workdir: Path, keep: int) -> ocp.CheckpointManager:
     )
 
 
-def restore(manager: ocp.CheckpointManager, abstract_state: TrainState, config: ModelConfig):
-    """`(state, meta)` of the newest checkpoint, or `(None, None)`; refuses another model's."""
-    step = manager.latest_step()
-    if step is None:
-        return None, None
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    if meta.get("model_config") != json.loads(config.to_json()):
+@contextlib.contextmanager
+def quiet_abandoned_reads():
+    """Drops the echoes of a failed orbax restore. It closes its event loop while tensorstore reads are
+    still in flight; each read that ends later fails to report to the closed loop, and Python prints
+    every one ("Event loop is closed", "Task exception was never retrieved": hundreds for a small
+    model). They say nothing that the restore's own error, which `restore` reports, did not."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        error, where = unraisable.exc_value, unraisable.object
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        if inspect.iscoroutine(where) and "orbax" in where.cr_code.co_filename:
+            return
+        previous(unraisable)
+
+    def orbax_task(record: logging.LogRecord) -> bool:
+        return not (record.getMessage().startswith("Task exception was never retrieved") and "orbax" in record.getMessage())
+
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(orbax_task)
+    try:
+        yield
+    finally:
+        gc.collect()  # abandoned tasks and coroutines report when collected: now, while the filters are in place
+        sys.unraisablehook = previous
+        logging.getLogger("asyncio").removeFilter(orbax_task)
+
+
+def restore(manager: ocp.CheckpointManager, abstract_state: TrainState, config: ModelConfig, settings: dict, steps: int):
+    """`(state, meta)` of the newest checkpoint that reads, or `(None, None)` when there is none.
+
+    A checkpoint that does not read (a truncated file, missing metadata) is reported by step and, once
+    an older one has restored, moved aside to `checkpoints_corrupt/`; if none reads, nothing is moved
+    and the run stops. A checkpoint of another model or objective, or past `steps`, is refused."""
+    unreadable = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            if not isinstance(meta, dict) or not isinstance(meta.get("data_position"), int):
+                raise CheckpointError(f"its meta item is not a checkpoint record: {meta!r:.100}")
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types for unreadable files
+            unreadable.append((step, e))
+            continue
+        check_same_run(meta, config, settings, steps, step, manager.directory)
+        try:
+            state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+        except Exception as e:  # noqa: BLE001
+            unreadable.append((step, e))
+            continue
+        for bad, error in unreadable:
+            aside = set_aside(Path(manager.directory), bad)
+            print(f"checkpoint step {bad} is corrupt ({_first_line(error)}); moved to {aside}; resuming from step {step}",
+                  file=sys.stderr)
+        if unreadable:
+            manager.reload()
+        return state, meta
+    if unreadable:
+        found = "; ".join(f"step {step}: {_first_line(e)}" for step, e in unreadable)
+        raise CheckpointError(f"no checkpoint in {manager.directory} can be read ({found}); "
+                              "move the directory aside to start afresh, or use a new --workdir")
+    return None, None
+
+
+def check_same_run(meta: dict, config: ModelConfig, settings: dict, steps: int, step: int, directory) -> None:
+    """Refuses to resume a checkpoint under another model, another objective or data stream, or a
+    smaller `train.steps`, naming every field that differs (old -> new)."""
+    old_model, new_model = meta.get("model_config") or {}, json.loads(config.to_json())
+    if old_model != new_model:
+        changes = _changes({f"model.{k}": v for k, v in old_model.items()}, {f"model.{k}": v for k, v in new_model.items()})
+        raise CheckpointError(f"{directory} holds a checkpoint of another model (its config differs: {changes}); use a new --workdir")
+    recorded = meta.get("settings")
+    if recorded is not None and recorded != settings:
         raise CheckpointError(
-            f"{manager.directory} holds a checkpoint of another model (its config differs); use a new --workdir"
+            f"{directory} holds a checkpoint trained with other settings ({_changes(recorded, settings)}); resuming would mix "
+            "two objectives or data streams: restore the old values or use a new --workdir"
         )
-    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
-    return state, meta
+    if steps < step:
+        raise CheckpointError(
+            f"{directory} holds a checkpoint at step {step}, past train.steps={steps}; set train.steps >= {step} "
+            "(a larger value extends the run) or use a new --workdir"
+        )
 
 
-def start_or_resume(manager: ocp.CheckpointManager, trainer: Trainer, params, seed: int, state_sharding) -> tuple[TrainState, int]:
+def _changes(old: dict, new: dict) -> str:
+    def shown(d, k):
+        return repr(d[k]) if k in d else "(none)"
+
+    differing = sorted(k for k in old.keys() | new.keys() if k not in old or k not in new or old[k] != new[k])
+    return ", ".join(f"{k}: {shown(old, k)} -> {shown(new, k)}" for k in differing)
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of the innermost error (orbax wraps tensorstore's, which says what is wrong)."""
+    for _ in range(20):  # a chain is short; the bound only guards against a cycle
+        if (inner := error.__cause__ or error.__context__) is None:
+            break
+        error = inner
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200] if text else ''}"
+
+
+def set_aside(checkpoints: Path, step: int) -> Path:
+    """Moves `checkpoints/<step>` to `checkpoints_corrupt/<step>` (a new name if taken); kept, not deleted."""
+    corrupt = checkpoints.with_name(checkpoints.name + "_corrupt")
+    corrupt.mkdir(exist_ok=True)
+    aside, n = corrupt / str(step), 1
+    while aside.exists():
+        aside, n = corrupt / f"{step}.{n}", n + 1
+    (checkpoints / str(step)).rename(aside)
+    return aside
+
+
+def start_or_resume(manager: ocp.CheckpointManager, trainer: Trainer, params, cfg: ml_collections.ConfigDict,
+                    state_sharding) -> tuple[TrainState, int]:
     """The newest checkpoint's state and data position, or a fresh state at position 0."""
+    seed = cfg.train.seed
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(trainer.init, params, seed), state_sharding
     )
-    state, meta = restore(manager, abstract_state, trainer.config)
+    state, meta = restore(manager, abstract_state, trainer.config, resume_settings(cfg), cfg.train.steps)
     if state is None:
         return jax.jit(trainer.init, static_argnums=1, out_shardings=state_sharding)(params, seed), 0
     print(f"resumed from step {int(state.step)} in {manager.directory}", file=sys.stderr)
+    if "settings" not in meta:
+        print("note: this checkpoint predates recorded settings; only its model config was checked", file=sys.stderr)
+    if meta.get("steps", cfg.train.steps) < cfg.train.steps:
+        print(f"extending the run from train.steps={meta['steps']} to {cfg.train.steps}: the learning-rate schedule now spans "
+              f"{cfg.train.steps} steps", file=sys.stderr)
     return state, meta["data_position"]
 
 
-def save_checkpoint(manager: ocp.CheckpointManager, step: int, state: TrainState, next_data_position: int, config: ModelConfig) -> None:
-    """Saves in the background; `next_data_position` is the batch a resumed run starts from."""
-    meta = {"data_position": next_data_position, "model_config": json.loads(config.to_json())}
+def save_checkpoint(manager: ocp.CheckpointManager, step: int, state: TrainState, next_data_position: int, config: ModelConfig,
+                    cfg: ml_collections.ConfigDict) -> None:
+    """Saves in the background; `next_data_position` is the batch a resumed run starts from. The meta
+    item records what a resumed run must share (`check_same_run`)."""
+    meta = {"data_position": next_data_position, "model_config": json.loads(config.to_json()), "settings": resume_settings(cfg),
+            "steps": cfg.train.steps}
     manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
 
@@ -101,4 +214,4 @@ def export(params, config: ModelConfig, objective: Objective, tokenizer, out: Pa
     """Writes a model directory that `s3d_jax.load` reads, with the drafter's defaults recorded."""
     config = config.replace(dtype=dtype, draft_skip=objective.skip, draft_gamma=objective.gamma)
     params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)).astype(config.jnp_dtype), params)
-    return checkpoint.save(out, params, config, tokenizer)
+    return checkpoint.save(out, params, config, tokenizer, overwrite=True)  # the run's own output, replaced whole

@@ -1,12 +1,19 @@
 """Training configs (ml_collections): every field with its default, the paper's recipe, and what the
-rest of training reads from a config (the model config, the objective, the checks)."""
+rest of training reads from a config (the model config, the objective, the checks, the settings a
+checkpoint records so that a resumed run is the same run)."""
 
 from __future__ import annotations
 
+import difflib
+import json
+import math
+from pathlib import Path
+
 import ml_collections
 
-from s3d_jax.config import ConfigError, ModelConfig, validate_skip
-from s3d_jax.objective import Objective
+from s3d_jax.config import DTYPES, ConfigError, ModelConfig, validate_skip
+from s3d_jax.data import LOSS_ON
+from s3d_jax.objective import LOSS_POSITIONS, MASKINGS, Objective
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -82,6 +89,108 @@ def objective_from(cfg: ml_collections.ConfigDict, num_layers: int) -> Objective
         lm_loss_weight=s.lm_loss_weight,
         kl_weight=s.kl_weight,
     )
+
+
+# ------------------------------------------------------------------ checks before anything runs
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_at_least(low: int):
+    return (lambda v: _is_int(v) and v >= low), f"an integer >= {low}"
+
+
+def _number(low: float, high: float = math.inf, *, above: bool = False, below: bool = False):
+    """A finite number in [low, high], with `above`/`below` excluding the ends."""
+
+    def ok(v):
+        return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                and (v > low if above else v >= low) and (v < high if below else v <= high))
+
+    ends = ("(" if above else "[") + f"{low}, " + ("inf)" if high == math.inf else f"{high}" + (")" if below else "]"))
+    return ok, f"a number in {ends}"
+
+
+def _one_of(*choices):
+    return (lambda v: v in choices), f"one of {', '.join(map(repr, choices))}"
+
+
+_BOOL = (lambda v: isinstance(v, bool)), "True or False"
+_STR = (lambda v: isinstance(v, str)), "a string"
+_SKIP = (lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_int(i) and i >= 0 for i in v)), "a pair (l, h) of layer indices"
+
+FIELD_RULES = {
+    "model_path": _STR, "tokenizer": _STR, "model_dtype": _one_of(*DTYPES),
+    "s3d.skip": _SKIP, "s3d.gamma": _int_at_least(1), "s3d.masking": _one_of(*MASKINGS),
+    "s3d.mask_prob": _number(0, 1, above=True, below=True), "s3d.loss_positions": _one_of(*LOSS_POSITIONS),
+    "s3d.target_grad": _BOOL, "s3d.lm_loss_weight": _number(0), "s3d.kl_weight": _number(0), "s3d.lora_rank": _int_at_least(0),
+    "s3d.train_head": _BOOL,
+    "data.path": _STR, "data.max_len": _int_at_least(2), "data.pack": _BOOL, "data.loss_on": _one_of(*LOSS_ON),
+    "data.eval_fraction": _number(0, 1, below=True), "data.eval_batches": _int_at_least(1), "data.max_conversations": _int_at_least(0),
+    "train.steps": _int_at_least(1), "train.batch_size": _int_at_least(1), "train.grad_accum": _int_at_least(1),
+    "train.lr": _number(0, above=True), "train.warmup_steps": _int_at_least(0), "train.final_lr_fraction": _number(0, 1),
+    "train.b1": _number(0, 1, below=True), "train.b2": _number(0, 1, below=True), "train.weight_decay": _number(0),
+    "train.grad_clip": _number(0, above=True), "train.compute_dtype": _one_of(*DTYPES), "train.seed": _int_at_least(0),
+    "train.log_every": _int_at_least(1), "train.eval_every": _int_at_least(1), "train.checkpoint_every": _int_at_least(1),
+    "train.keep_checkpoints": _int_at_least(1),
+    "mesh.data": ((lambda v: _is_int(v)), "an integer (<= 0: every device that `mesh.model` leaves)"),
+    "mesh.model": _int_at_least(1), "mesh.fsdp": _BOOL,
+}
+
+
+def field(cfg: ml_collections.ConfigDict, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+    """Every train/data/s3d/mesh field has a usable value; raises ConfigError naming the first that has not."""
+    for name, (ok, wanted) in FIELD_RULES.items():
+        try:
+            value = field(cfg, name)
+        except (KeyError, AttributeError):
+            raise ConfigError(f"the config lacks the field {name} (configs start from s3d_jax.train.default_config())") from None
+        if not ok(value):
+            raise ConfigError(f"config.{name} must be {wanted}, got {value!r}")
+
+
+def unknown_field(dotted: str) -> str | None:
+    """For a `--config.a.b` override: None if `default_config()` has the field, else a message naming
+    it with the closest existing names."""
+    node, path = default_config(), []
+    for part in dotted.split("."):
+        if not isinstance(node, ml_collections.ConfigDict):
+            return f"config.{'.'.join(path)} is a value, not a section: it has no field {part!r}"
+        if part not in node:
+            close = difflib.get_close_matches(part, list(node.keys()), n=3, cutoff=0.6)
+            prefix = "".join(p + "." for p in path)
+            hint = f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
+            return f"the config has no field {prefix}{part}{hint}"
+        node = node[part]
+        path.append(part)
+    return None
+
+
+# What a checkpoint records and a resumed run must share: what is learned (the objective) and the
+# data stream (which rows, in which order, how many per step). The model config is recorded too.
+RESUME_FIELDS = (
+    "s3d.skip", "s3d.gamma", "s3d.masking", "s3d.mask_prob", "s3d.loss_positions", "s3d.target_grad", "s3d.lm_loss_weight",
+    "s3d.kl_weight", "s3d.lora_rank", "s3d.train_head",
+    "data.path", "data.max_len", "data.pack", "data.loss_on", "data.eval_fraction", "data.max_conversations", "train.seed",
+)
+ROWS_PER_STEP = "train.batch_size x train.grad_accum"
+
+
+def resume_settings(cfg: ml_collections.ConfigDict) -> dict:
+    """The settings a checkpoint records, as JSON values."""
+    settings = {name: field(cfg, name) for name in RESUME_FIELDS}
+    settings["data.path"] = str(Path(settings["data.path"]).resolve()) if settings["data.path"] else ""
+    settings[ROWS_PER_STEP] = cfg.train.batch_size * cfg.train.grad_accum
+    return json.loads(json.dumps(settings))
 
 
 def check_settings(cfg: ml_collections.ConfigDict, data_axis: int) -> None:

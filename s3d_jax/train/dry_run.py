@@ -10,12 +10,13 @@ import numpy as np
 
 from s3d_jax.model import abstract_params
 from s3d_jax.sharding import spec_for
-from s3d_jax.train.config import model_config_from
+from s3d_jax.train.config import model_config_from, validate
 from s3d_jax.train.trainer import trainer_from
 
 
 def dry_run(cfg: ml_collections.ConfigDict) -> dict:
     """The model, its skip range, parameter counts, and memory per device in GiB by kind."""
+    validate(cfg)
     config = model_config_from(cfg).replace(dtype="float32", draft_lora_rank=cfg.s3d.lora_rank)
     params = abstract_params(config)
     trainer, _ = trainer_from(cfg, config, params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -13,26 +14,38 @@ import numpy as np
 from tqdm import tqdm
 
 from s3d_jax import data
+from s3d_jax.config import ConfigError
 from s3d_jax.sharding import make_mesh, shardings
 from s3d_jax.train import checkpoints, report
-from s3d_jax.train.config import check_settings
+from s3d_jax.train.config import check_settings, validate
 from s3d_jax.train.trainer import place_batch, trainer_from
 
 EVAL_SEED = 1234  # the same masks at every evaluation, so that evaluations compare
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str | Path, progress: bool = True) -> Path:
-    """Runs (or resumes) training; returns the exported model directory."""
+    """Runs (or resumes) training; returns the exported model directory. What can be checked without
+    loading anything (the config, the workdir, the data file, the mesh) is checked first."""
+    validate(cfg)
     workdir = Path(workdir).absolute()
-    workdir.mkdir(parents=True, exist_ok=True)
-    t = cfg.train
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"--workdir {workdir} exists and is not a directory")
+    data.check_file(cfg.data.path or data.default_sharegpt_path())
     mesh = make_mesh(cfg.mesh)
     check_settings(cfg, mesh.shape["data"])
+    with checkpoints.quiet_abandoned_reads(), contextlib.ExitStack() as cleanup:
+        return _run(cfg, workdir, mesh, cleanup, progress)
+
+
+def _run(cfg: ml_collections.ConfigDict, workdir: Path, mesh, cleanup: contextlib.ExitStack, progress: bool) -> Path:
+    t = cfg.train
     base = checkpoints.load_base_model(cfg)
     trainer, schedule = trainer_from(cfg, base.config, base.params)
     state_sharding = shardings(jax.eval_shape(trainer.init, base.params, t.seed), mesh, cfg.mesh.fsdp)
+    workdir.mkdir(parents=True, exist_ok=True)
     manager = checkpoints.checkpoint_manager(workdir, t.keep_checkpoints)
-    state, data_position = checkpoints.start_or_resume(manager, trainer, base.params, t.seed, state_sharding)
+    cleanup.callback(manager.close)  # on errors too: it ends the manager's background threads
+    state, data_position = checkpoints.start_or_resume(manager, trainer, base.params, cfg, state_sharding)
     original = jax.device_put(base.params, shardings(base.params, mesh, cfg.mesh.fsdp)) if trainer.objective.kl_weight else None
     tokenizer = base.tokenizer
     del base  # the state holds the params now
@@ -43,7 +56,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, progress: bool = 
                                  max_batches=cfg.data.eval_batches)
     metrics_file = workdir / "metrics.jsonl"
     start_step = int(state.step)
-    if start_step == 0 and not metrics_file.exists():
+    kept = report.drop_after(metrics_file, start_step)  # a resumed run logs the steps after its checkpoint again
+    if start_step == 0 and not kept:
         before = report.log_eval(metrics_file, 0, held_out(state.params))
         print(f"held-out before training: {report.describe(before)}", file=sys.stderr)
 
@@ -62,7 +76,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, progress: bool = 
             record = report.log_eval(metrics_file, step, held_out(state.params))
             bar.write(f"step {step} held-out: {report.describe(record)}")
         if _due(step, t.checkpoint_every, t.steps):
-            checkpoints.save_checkpoint(manager, step, state, data_position + 1, trainer.config)
+            checkpoints.save_checkpoint(manager, step, state, data_position + 1, trainer.config, cfg)
         bar.update(1)
     bar.close()
     manager.wait_until_finished()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +41,31 @@ def log_eval(metrics_file: Path, step: int, pooled_metrics) -> dict:
     record = {"split": "eval", "step": step, **summarize_metrics(pooled_metrics)}
     _append(metrics_file, record)
     return record
+
+
+def drop_after(metrics_file: Path, step: int) -> list[dict]:
+    """Keeps the records up to `step` (the step a run starts or resumes from) and returns them. Later
+    records (a killed run's steps after its last checkpoint, which the resumed run logs again) and
+    unreadable lines (a write cut off by the kill) move to `metrics.discarded.jsonl`: nothing is lost."""
+    if not metrics_file.exists():
+        return []
+    kept, dropped = [], []
+    for line in metrics_file.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            (kept if int(record["step"]) <= step else dropped).append(record)
+        except (ValueError, KeyError, TypeError):
+            if line.strip():
+                dropped.append(line)
+    if dropped:
+        with metrics_file.with_name("metrics.discarded.jsonl").open("a") as f:
+            f.writelines((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in dropped)
+        tmp = metrics_file.with_name(metrics_file.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, metrics_file)
+        print(f"{metrics_file.name}: moved {len(dropped)} lines logged after step {step} (or cut off by a kill) to "
+              "metrics.discarded.jsonl; this run logs those steps again", file=sys.stderr)
+    return kept
 
 
 def _append(path: Path, record: dict) -> None:
