@@ -108,17 +108,21 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"no converted model at {path}: it is not a directory (convert one with tools/convert_hf.py)")
     if not (path / CONFIG_FILE).exists():
         raise CheckpointError(f"{path} is not an s3d_jax model: {CONFIG_FILE} is missing (convert with tools/convert_hf.py)")
+    text = (path / CONFIG_FILE).read_text()
     try:
-        fields = json.loads((path / CONFIG_FILE).read_text())
-        stored = fields.pop("format", 1) if isinstance(fields, dict) else None
-    except ValueError as e:
-        raise CheckpointError(f"{path / CONFIG_FILE} is not valid JSON: {e}") from None
-    if stored != FORMAT:
-        raise CheckpointError(
-            f"{path} holds model format {stored}, and this s3d_jax reads format {FORMAT}: convert the model again with tools/convert_hf.py"
-        )
+        fields = json.loads(text)
+    except ValueError:
+        fields = None  # ModelConfig.from_json names the problem below
+    if isinstance(fields, dict):
+        stored = fields.pop("format", 1)
+        if stored != FORMAT:
+            raise CheckpointError(
+                f"{path} holds model format {stored}, and this s3d_jax reads format {FORMAT}: "
+                "convert the model again with tools/convert_hf.py"
+            )
+        text = json.dumps(fields)
     try:
-        return ModelConfig.from_json(json.dumps(fields))
+        return ModelConfig.from_json(text)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path / CONFIG_FILE} is not a valid model config: {e}") from None
 

@@ -257,7 +257,7 @@ def test_model_config_normalises_numpy_and_json_values():
 
 
 def _config_json(**changes) -> str:
-    fields = json.loads(tiny_config().to_json())
+    fields = {"format": checkpoint.FORMAT, **json.loads(tiny_config().to_json())}
     fields.update(changes)
     return json.dumps(fields)
 
@@ -272,7 +272,7 @@ def _config_json(**changes) -> str:
         (_config_json(num_layers=None), r"config field num_layers must be int, got None"),
         ("{not json", r"config is not valid JSON"),
         ("[1, 2]", r"config must be a JSON object, got list"),
-        ('{"architecture": "llama"}', r"config fields missing: head_dim, hidden_size"),
+        (f'{{"format": {checkpoint.FORMAT}, "architecture": "llama"}}', r"config fields missing: head_dim, hidden_size"),
     ],
 )
 def test_loading_a_bad_config_file_is_a_checkpoint_error(tmp_path, text, message):
