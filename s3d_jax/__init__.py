@@ -10,6 +10,8 @@ _HOMES = {
     "logits": "api",
     "stream": "api",
     "DecodeOptions": "options",
+    "CheckpointError": "checkpoint",
+    "ConfigError": "config",
     "Model": "checkpoint",
     "ModelConfig": "config",
 }

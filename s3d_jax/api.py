@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import os
 import time
 
@@ -17,7 +18,7 @@ from s3d_jax.checkpoint import Model
 from s3d_jax.config import ConfigError, ModelConfig, validate_skip
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
 from s3d_jax.model import full_pass, lm_logits
-from s3d_jax.options import DEFAULT_GAMMA, DecodeOptions, default_skip
+from s3d_jax.options import DEFAULT_GAMMA, DecodeOptions, check_int, default_skip
 from s3d_jax.sampling import Sampling
 from s3d_jax.speculative import Plan
 
@@ -27,12 +28,25 @@ def load(path: str | os.PathLike | None = None, dtype: str | None = None) -> Mod
     return bundled.load(dtype) if path is None else checkpoint.load(path, dtype)
 
 
-def check_token_ids(token_ids: np.ndarray, config: ModelConfig) -> None:
-    if token_ids.size == 0:
+def token_array(token_ids, config: ModelConfig) -> np.ndarray:
+    """Token ids as an int64 array: ints only (a float or bool is an error, not truncated), each
+    inside the vocabulary."""
+    arrays = (np.ndarray, jax.Array)
+    ids = np.asarray(token_ids) if isinstance(token_ids, arrays) else np.asarray(token_ids, dtype=object)
+    if ids.size == 0:
         raise ValueError("empty prompt: give at least one token")
-    bad = token_ids[(token_ids < 0) | (token_ids >= config.vocab_size)]
-    if bad.size:
-        raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {config.vocab_size})")
+    if ids.dtype == object:  # Python values: a bool stays a bool, a big int stays exact
+        for t in ids.flat:
+            if isinstance(t, (list, tuple, np.ndarray)):
+                raise ValueError(f"token ids must be a flat list or a rectangular batch, got a ragged row {t!r}")
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"token ids must be ints, got {t!r}")
+    elif ids.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be ints, got an array of {ids.dtype}")
+    outside = ids[(ids < 0) | (ids >= config.vocab_size)]
+    if outside.size:
+        raise ValueError(f"token id {outside.flat[0]} is outside the vocabulary [0, {config.vocab_size})")
+    return ids.astype(np.int64)
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -44,12 +58,17 @@ def _full_logits(params, config: ModelConfig, token_ids_BT):
 def logits(model: Model, token_ids) -> jax.Array:
     """Full-model float32 logits `[batch, time, vocab]` for a rectangular batch of token ids, over the
     model's vocabulary (the padding rows a conversion adds are left out)."""
-    token_ids = np.asarray(token_ids, dtype=np.int64)
+    if not isinstance(model, Model):
+        raise TypeError(f"logits needs a Model from s3d_jax.load, got {type(model).__name__}")
+    token_ids = token_array(token_ids, model.config)
     if token_ids.ndim == 1:
         token_ids = token_ids[None]
     if token_ids.ndim != 2:
         raise ValueError(f"token_ids must be [time] or [batch, time], got shape {token_ids.shape}")
-    check_token_ids(token_ids, model.config)
+    if token_ids.shape[1] > model.config.max_position_embeddings:
+        raise ValueError(
+            f"{token_ids.shape[1]} tokens exceed the model's context of {model.config.max_position_embeddings} positions"
+        )
     out = _full_logits(model.params, model.config, jnp.asarray(token_ids, jnp.int32))
     chex.assert_shape(out, (*token_ids.shape, model.config.output_vocab_size or model.config.vocab_size))
     return out
@@ -115,31 +134,59 @@ def _encode(model: Model, prompt, chat: bool) -> tuple[list[list[int]], bool]:
 
     def one(p) -> list[int]:
         if isinstance(p, str):
-            if chat:
-                p = [{"role": "user", "content": p}]
-            else:
-                return list(tokenizer()(p)["input_ids"])
+            check_text(p, "prompt")
+            p = [{"role": "user", "content": p}] if chat else tokenizer()(p)["input_ids"]
         if isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
+            check_messages(p)
             ids = tokenizer().apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return [int(t) for t in np.asarray(p).reshape(-1)]
+            p = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        ids = token_array(p, model.config)
+        if ids.ndim > 1:
+            raise ValueError(f"each prompt must be a flat list of token ids, got shape {ids.shape}")
+        return ids.reshape(-1).tolist()
 
     if isinstance(prompt, (list, tuple)) and not prompt:
         raise ValueError("empty prompt: give at least one token")
     if isinstance(prompt, (str, np.ndarray, jax.Array)) and np.ndim(prompt) < 2:
         return [one(prompt)], False
-    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (int, np.integer, dict)):
+    if isinstance(prompt, (list, tuple)) and isinstance(prompt[0], (numbers.Number, np.bool_, dict)):
         return [one(prompt)], False
     if isinstance(prompt, (list, tuple, np.ndarray, jax.Array)):
+        if not len(prompt):
+            raise ValueError("empty batch: give at least one prompt")
         return [one(p) for p in prompt], True
-    raise ValueError(f"unsupported prompt type {type(prompt).__name__}: give text, chat messages or token ids")
+    raise TypeError(f"unsupported prompt type {type(prompt).__name__}: give text, chat messages or token ids")
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuses text that is not valid Unicode (a lone surrogate such as "\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: {text[e.start : e.end]!r} at index {e.start} is a lone surrogate") from None
+
+
+def check_messages(messages) -> None:
+    """Chat messages must be dicts with text `role` and `content`."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TypeError(f"chat message {i} must be a dict with 'role' and 'content', got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise TypeError(f"chat message {i} {key} must be text, got {type(message.get(key)).__name__}")
+            check_text(message[key], f"chat message {i} {key}")
 
 
 def resolve(model, config: ModelConfig | None = None) -> Model:
     """A Model from a Model, a path, None (the bundled default), or raw params with their config."""
     if isinstance(model, Model):
+        if config is not None and config != model.config:
+            raise ConfigError("config= is for raw params only: this Model already has its own config")
         return model
     if config is not None:
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        checkpoint.check_params(model, config)
         return Model(model, config)
     if model is None or isinstance(model, (str, os.PathLike)):
         return load(model)
@@ -148,7 +195,9 @@ def resolve(model, config: ModelConfig | None = None) -> Model:
 
 def options_from(options: DecodeOptions | None, overrides: dict) -> DecodeOptions:
     """`options` (default DecodeOptions()) with keyword overrides, e.g. `decode(m, p, method="ar")`."""
-    options = options or DecodeOptions()
+    options = DecodeOptions() if options is None else options
+    if not isinstance(options, DecodeOptions):
+        raise TypeError(f"options must be a DecodeOptions, got {type(options).__name__} (or pass fields as keywords)")
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(DecodeOptions)})
     if unknown:
         raise TypeError(f"unknown decode option {unknown[0]!r}; see s3d_jax.DecodeOptions")
@@ -157,14 +206,14 @@ def options_from(options: DecodeOptions | None, overrides: dict) -> DecodeOption
 
 def plan_for(config: ModelConfig, options: DecodeOptions) -> Plan:
     """The static plan: method, γ and skip (options, else the checkpoint's drafter, else defaults)."""
+    if options.top_k > config.vocab_size:
+        raise ValueError(f"top_k {options.top_k} exceeds the vocabulary of {config.vocab_size}")
     sampling = Sampling(options.temperature, options.top_k, options.top_p)
     if options.method == "ar":
         return Plan.make(config, "ar", 0, None, sampling)
     gamma = (config.draft_gamma or DEFAULT_GAMMA) if options.gamma is None else options.gamma
     skip = options.skip if options.skip is not None else config.draft_skip or default_skip(config.num_layers)
     skip = validate_skip(skip, config.num_layers)
-    if int(gamma) < 1:
-        raise ValueError(f"gamma must be >= 1 for method {options.method!r}, got {gamma}")
     if options.method == "s3d" and config.mask_token_id is None:
         raise ValueError(
             "this checkpoint has no mask token row (mask_token_id is unset): S3D drafting needs one; "
@@ -183,33 +232,34 @@ def prepare(
     cfg = model.config
     plan = plan_for(cfg, options)
     max_new_tokens = options.max_new_tokens
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-
+    eos_token_ids = options.eos_token_ids
+    if eos_token_ids is None:
+        eos_token_ids = set(cfg.eos_token_ids)
+        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+            eos_token_ids.add(model.tokenizer.eos_token_id)
+    for eos in eos_token_ids:
+        if eos >= cfg.vocab_size or eos == cfg.mask_token_id:
+            what = "the mask token, which is never emitted" if eos == cfg.mask_token_id else f"outside the vocabulary of {cfg.vocab_size}"
+            raise ValueError(f"eos token id {eos} is {what}")
     ids, batched = _encode(model, prompt, options.chat)
-    for row in ids:
-        check_token_ids(np.asarray(row), cfg)
     lengths = np.array([len(row) for row in ids])
     padded_len = bucket(int(lengths.max()))
     needed = int(lengths.max()) + max_new_tokens + plan.gamma
     limit = cfg.max_position_embeddings
     max_len = options.max_len
+    if max_len is not None and max_len > limit:
+        raise ValueError(f"max_len {max_len} exceeds the model's context of {limit} positions (max_position_embeddings)")
     if max_len is None:
         max_len = min(bucket(max(needed, padded_len), minimum=128), max(limit, needed))
     if needed > max_len or needed > limit:
         raise ValueError(
-            f"prompt of {int(lengths.max())} tokens + max_new_tokens {max_new_tokens} + draft block {plan.gamma} "
+            f"prompt of {int(lengths.max())} tokens + max_new_tokens {max_new_tokens} + gamma {plan.gamma} (the draft block) "
             f"= {needed} does not fit the cache of {min(max_len, limit)} positions"
         )
     max_len = max(max_len, padded_len)
     prompts = np.zeros((len(ids), padded_len), np.int32)
     for b, row in enumerate(ids):
         prompts[b, : len(row)] = row
-    eos_token_ids = options.eos_token_ids
-    if eos_token_ids is None:
-        eos_token_ids = set(cfg.eos_token_ids)
-        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
-            eos_token_ids.add(model.tokenizer.eos_token_id)
     run = decoding.Run(model.params, cfg, plan, prompts, lengths, max_new_tokens, tuple(sorted(eos_token_ids)), options.seed, max_len)
     return model, run, batched
 
@@ -260,13 +310,18 @@ def stream(
 ):
     """Like `decode`, but yields each row's tokens so far after every `chunk_iterations` iterations,
     then the final DecodeOutput. The loop runs on the device between yields."""
+    chunk_iterations = check_int("chunk_iterations", chunk_iterations, 1)
     model, run, batched = prepare(params, prompt, options, config=config, **overrides)
+    return _stream(model, run, batched, chunk_iterations)  # a generator, after the checks have run
+
+
+def _stream(model: Model, run: decoding.Run, batched: bool, chunk_iterations: int):
     run.compile()  # before the clock: compile time is reported apart
     start = time.perf_counter()
     state = run.start()
     stop = 0
     while True:
-        stop += chunk_iterations
+        stop = min(stop + chunk_iterations, np.iinfo(np.int32).max)
         state = run.advance(state, stop)
         if bool(jnp.all(state.done)):
             break

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from s3d_jax.config import ModelConfig
-from s3d_jax.model import causal_mask, full_pass, run_layers, window_mask
+from s3d_jax.model import causal_mask, full_pass, run_layers
 
 
 @flax.struct.dataclass
@@ -53,13 +53,12 @@ class KVCache:
         return self.replace(keys=tuple(keys), values=tuple(values))
 
 
-def attention_masks(lengths_B, block_len: int, max_len: int, sliding_window: int | None):
-    """Masks for a block at `lengths ..`: the cached context `[B, T, S]` and the block `[B, T, T]`."""
-    t = jnp.arange(block_len)
-    q_pos_BT1 = (lengths_B[:, None] + t[None, :])[:, :, None]
-    s = jnp.arange(max_len)
-    context_BTS = (s[None, None, :] < lengths_B[:, None, None]) & window_mask(q_pos_BT1, s[None, None, :], sliding_window)
-    return context_BTS, jnp.broadcast_to(causal_mask(block_len, sliding_window), (len(lengths_B), block_len, block_len))
+def attention_masks(lengths_B, block_len: int, max_len: int):
+    """Masks for a block at `lengths ..`: the cached context `[B, T, S]` and the block `[B, T, T]`.
+    Sliding windows are left to each layer (`model.Attention`), which knows its own."""
+    B, s = len(lengths_B), jnp.arange(max_len)
+    context_BTS = jnp.broadcast_to(s[None, None, :] < lengths_B[:, None, None], (B, block_len, max_len))
+    return context_BTS, jnp.broadcast_to(causal_mask(block_len), (B, block_len, block_len))
 
 
 def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], write: bool, draft: bool = False):
@@ -69,9 +68,12 @@ def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layer
     the caller advances it by however many tokens it keeps.
     """
     T = tokens_BT.shape[1]
-    context_mask, block_mask = attention_masks(cache.lengths, T, cache.max_len, config.sliding_window)
+    context_mask, block_mask = attention_masks(cache.lengths, T, cache.max_len)
     contexts = [(cache.keys[i], cache.values[i]) for i in layers]
-    hidden, block_kvs = run_layers(params, config, tokens_BT, cache.block_positions(T), contexts, context_mask, block_mask, layers, draft)
+    context_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (tokens_BT.shape[0], cache.max_len))  # slot s holds position s
+    hidden, block_kvs = run_layers(
+        params, config, tokens_BT, cache.block_positions(T), contexts, context_positions, context_mask, block_mask, layers, draft
+    )
     if write:
         cache = cache.write(layers, block_kvs)
     return hidden, cache

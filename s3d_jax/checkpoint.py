@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -24,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from s3d_jax.config import ModelConfig
+from s3d_jax.config import DTYPES, ConfigError, ModelConfig
 from s3d_jax.model import abstract_params
 
 CONFIG_FILE = "s3d_config.json"
@@ -123,6 +124,10 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 
 
 def load(path: str | os.PathLike, dtype: str | None = None) -> Model:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"a model path must be a str or os.PathLike, got {type(path).__name__}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     path = Path(path).absolute()
     config = load_config(path)
     expected = abstract_params(config)
@@ -149,19 +154,23 @@ def load_tokenizer(path: Path):
     """The tokenizer saved beside a model, or None. A `tokenizer.json` loads as a fast tokenizer
     directly: `AutoTokenizer` would import PyTorch when it is installed, some 250 MB of memory."""
     if (path / "tokenizer.json").exists():
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    if (path / "tokenizer_config.json").exists():
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path))
-    return None
+        from transformers import PreTrainedTokenizerFast as tokenizer_class
+    elif (path / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer as tokenizer_class
+    else:
+        return None
+    try:
+        return tokenizer_class.from_pretrained(str(path))
+    except Exception as e:  # tokenizers and transformers raise many types for unreadable files
+        raise CheckpointError(f"cannot read the tokenizer at {path}: {type(e).__name__}: {e}") from None
 
 
 def check_params(params, config: ModelConfig) -> None:
     """Raises CheckpointError naming the first parameter whose shape or dtype disagrees with the config."""
-    _check_tree(params, abstract_params(config), "params")
+    _check_tree(params, _abstract_params(config), "params")
+
+
+_abstract_params = functools.lru_cache(maxsize=8)(abstract_params)  # tracing the init takes a second
 
 
 def _check_tree(actual, expected, where) -> None:

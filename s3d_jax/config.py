@@ -4,16 +4,45 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
 
-ARCHITECTURES = ("llama", "mistral", "phi3")
+ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, or GeGLU with tanh-approximated GELU
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
+ROPE_TYPES = ("linear", "llama3")  # supported RoPE scalings besides plain RoPE
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 class ConfigError(ValueError):
     """A model config that this project cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (transformers' `rope_parameters`): `linear` divides every frequency by
+    `factor`; `llama3` (Llama-3.1/3.2) divides the low frequencies by `factor`, keeps the high ones,
+    and interpolates between the two wavelengths `original_max_position_embeddings / *_freq_factor`."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0  # llama3 only, as are the next two
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(f"unsupported rope_scaling type {self.rope_type!r}; supported: default, {', '.join(ROPE_TYPES)}")
+        if not self.factor > 0:
+            raise ConfigError(f"rope_scaling factor must be positive, got {self.factor!r}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ConfigError(
+                f"rope_scaling needs high_freq_factor > low_freq_factor > 0, got {self.high_freq_factor} and {self.low_freq_factor}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,15 +70,36 @@ class ModelConfig:
     draft_skip: tuple[int, int] | None = None
     draft_gamma: int | None = None
     draft_lora_rank: int = 0  # > 0: draft passes add LoRA adapters; the verifier never does
+    # Per-family options; the defaults are LLaMA's.
+    rope_scaling: RopeScaling | None = None  # of the full-attention layers (Llama-3.1, Gemma-3)
+    layer_types: tuple[str, ...] | None = None  # per layer, from LAYER_TYPES; None: every layer alike (see `is_sliding`)
+    local_rope_theta: float | None = None  # Gemma-3: the RoPE base of sliding-window layers, which are never scaled
+    hidden_act: str = "silu"  # the MLP's gate, from ACTIVATIONS
+    qkv_bias: bool = False  # Qwen2: biases on q, k and v
+    qk_norm: bool = False  # Qwen3, Gemma-3: an RMSNorm over each head of q and k, before RoPE
+    norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + w), computed in float32
+    post_norms: bool = False  # Gemma: also a norm on the attention output and on the MLP output, before each residual
+    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the weights' dtype
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scale by its -1/2 power instead of head_dim's
+    attn_softcap: float | None = None  # Gemma-2: attention scores become cap * tanh(score / cap)
+    final_softcap: float | None = None  # Gemma-2: the same on the logits
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # types first: a JSON "64" or true is not an int
+            object.__setattr__(self, f.name, _typed(f.name, getattr(self, f.name), f.type))
         if self.architecture not in ARCHITECTURES:
             raise ConfigError(f"unknown architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
-            if int(getattr(self, name)) < 1:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings", "sliding_window", "draft_gamma"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"config field {name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ConfigError(f"config field {name} must be a positive finite number, got {getattr(self, name)!r}")
+        if self.draft_lora_rank < 0:
+            raise ConfigError(f"config field draft_lora_rank must be >= 0, got {self.draft_lora_rank}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
@@ -58,12 +108,20 @@ class ModelConfig:
             raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the vocabulary of {self.vocab_size}")
         if self.output_vocab_size is not None and not 0 < self.output_vocab_size <= self.vocab_size:
             raise ConfigError(f"output_vocab_size {self.output_vocab_size} must be in [1, vocab_size {self.vocab_size}]")
+        for eos in self.eos_token_ids:
+            if not 0 <= eos < self.vocab_size:
+                raise ConfigError(f"eos token id {eos} is outside the vocabulary of {self.vocab_size}")
+        if self.mask_token_id is not None and self.mask_token_id in self.eos_token_ids:
+            raise ConfigError(f"mask_token_id {self.mask_token_id} is an EOS id too: the mask is never emitted, so decoding would not stop")
         if self.draft_skip is not None:
             validate_skip(self.draft_skip, self.num_layers)
-        # Normalise JSON lists into hashable tuples.
-        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
-        if self.draft_skip is not None:
-            object.__setattr__(self, "draft_skip", tuple(int(i) for i in self.draft_skip))
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        # Normalise JSON dicts and lists into hashable dataclasses and tuples.
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", _normalized_layer_types(self.layer_types, self.num_layers, self.sliding_window))
 
     @property
     def jnp_dtype(self):
@@ -72,6 +130,22 @@ class ModelConfig:
     @property
     def all_layers(self) -> tuple[int, ...]:
         return tuple(range(self.num_layers))
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` is a sliding-window layer; with no `layer_types`, every layer is when there is a window."""
+        if self.layer_types is None:
+            return self.sliding_window is not None
+        return self.layer_types[layer] == "sliding_attention"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The keys `layer` sees: those less than this many positions back, or all of them (None)."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """RoPE base and scaling of `layer` (Gemma-3's sliding-window layers have their own, unscaled)."""
+        if self.local_rope_theta is not None and self.is_sliding(layer):
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
 
     def draft_layers(self, skip: tuple[int, int]) -> tuple[int, ...]:
         """The layers the S3D drafter runs: every layer outside the inclusive skip range [l, h]."""
@@ -86,23 +160,37 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
-        fields = json.loads(text)
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config is not valid JSON: {e}") from None
+        if not isinstance(fields, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(fields).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ConfigError(f"unknown config fields: {', '.join(unknown)}")
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        if required - set(fields):
+            raise ConfigError(f"config fields missing: {', '.join(sorted(required - set(fields)))}")
         return cls(**fields)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
-        """Builds a config from a Hugging Face `config.json` dict, refusing features this model lacks."""
+        """Builds a config from a Hugging Face `config.json` dict, refusing features this model lacks.
+        Reads both transformers 5's layout (`rope_parameters`, `layer_types`) and the older one."""
         arch = hf.get("model_type")
         if arch not in ARCHITECTURES:
-            raise ConfigError(f"unknown architecture model_type={arch!r}; supported: {', '.join(ARCHITECTURES)}")
-        _refuse_unsupported(hf)
+            hint = " (the multimodal Gemma-3; its text model, gemma3_text, is supported)" if arch == "gemma3" else ""
+            raise ConfigError(f"unknown architecture model_type={arch!r}{hint}; supported: {', '.join(ARCHITECTURES)}")
+        _refuse_unsupported(hf, arch)
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        gemma = arch in GEMMA
+        theta, scaling = _rope(hf, arch, "full_attention")
+        local_theta = _rope(hf, arch, "sliding_attention")[0] if arch == "gemma3_text" else None
+        window, layer_types = _sliding_layers(hf, arch)
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -112,45 +200,154 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rope_theta=float(_rope_theta(hf)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_theta=float(theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if arch in ("qwen2", "qwen3", *GEMMA) else 1e-5)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            sliding_window=hf.get("sliding_window") if arch != "llama" else None,
+            sliding_window=window,
             dtype=dtype,
             eos_token_ids=tuple(eos),
+            rope_scaling=scaling,
+            layer_types=layer_types,
+            local_rope_theta=None if local_theta is None else float(local_theta),
+            hidden_act=_activation(hf, arch),
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch in ("qwen3", "gemma3_text"),
+            norm_plus_one=gemma,
+            post_norms=gemma,
+            scale_embeddings=gemma,
+            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)) if gemma else None,
+            attn_softcap=hf.get("attn_logit_softcapping", 50.0 if arch == "gemma2" else None) if gemma else None,
+            final_softcap=hf.get("final_logit_softcapping", 30.0 if arch == "gemma2" else None) if gemma else None,
         )
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
-    # transformers 5 moved rope_theta into `rope_parameters`.
+def _normalized_layer_types(layer_types, num_layers: int, sliding_window: int | None) -> tuple[str, ...] | None:
+    """A tuple with one known type per layer, or None when every layer is what None means anyway."""
+    types = tuple(layer_types)
+    for t in types:
+        if t not in LAYER_TYPES:
+            raise ConfigError(f"unsupported config field layer_types entry {t!r}; supported: {', '.join(LAYER_TYPES)}")
+    if len(types) != num_layers:
+        raise ConfigError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    uniform = "sliding_attention" if sliding_window is not None else "full_attention"
+    return None if all(t == uniform for t in types) else types
+
+
+def _activation(hf: dict[str, Any], arch: str) -> str:
+    """The MLP gate's activation. Gemma's modeling code reads `hidden_activation` (older Gemma-2 configs
+    also carry a `hidden_act`, which it ignores)."""
+    field, wanted = ("hidden_activation", "gelu_pytorch_tanh") if arch in GEMMA else ("hidden_act", "silu")
+    act = hf.get(field) or wanted
+    if act != wanted:
+        raise ConfigError(f"unsupported config field {field}={act!r}: {arch} is implemented with {wanted!r} only")
+    return act
+
+
+def _rope(hf: dict[str, Any], arch: str, layer_type: str) -> tuple[float, RopeScaling | None]:
+    """RoPE base and scaling of `layer_type` layers. transformers 5 keeps them in `rope_parameters`
+    (per layer type for Gemma-3); older configs in `rope_theta`, `rope_scaling` and Gemma-3's
+    `rope_local_base_freq`. As in transformers, a `rope_scaling` overrides `rope_parameters`, and
+    Gemma-3's applies to its full-attention layers only."""
     params = hf.get("rope_parameters") or {}
-    return params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    local = arch == "gemma3_text" and layer_type == "sliding_attention"
+    if set(params) & set(LAYER_TYPES):
+        params = params.get(layer_type) or {}
+    elif local:
+        params = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+    if hf.get("rope_scaling") and not local:
+        params = {**{k: v for k, v in params.items() if k not in ("rope_type", "type")}, **hf["rope_scaling"]}
+    default_theta = 1e6 if arch == "gemma3_text" and layer_type == "full_attention" else 10000.0
+    theta = params.get("rope_theta") or hf.get("rope_theta") or default_theta
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ROPE_TYPES:
+        why = ": its frequencies change with the sequence length" if rope_type == "dynamic" else ""
+        raise ConfigError(f"unsupported config field rope_scaling type {rope_type!r}{why}; supported: default, {', '.join(ROPE_TYPES)}")
+    if arch == "gemma3_text" and layer_type == "sliding_attention":
+        raise ConfigError(f"unsupported config field rope_parameters.sliding_attention type {rope_type!r}: only plain RoPE there")
+    try:
+        if rope_type == "linear":
+            return theta, RopeScaling("linear", float(params["factor"]))
+        return theta, RopeScaling(
+            "llama3",
+            float(params["factor"]),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+            int(params.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 8192)),
+        )
+    except KeyError as e:
+        raise ConfigError(f"rope_scaling of type {rope_type!r} lacks the field {e.args[0]}") from None
 
 
-def _refuse_unsupported(hf: dict[str, Any]) -> None:
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"unsupported config field hidden_act={act!r}: only SwiGLU ('silu') is implemented")
-    for flag in ("attention_bias", "mlp_bias"):
+def _sliding_layers(hf: dict[str, Any], arch: str) -> tuple[int | None, list[str] | None]:
+    """(sliding window, per-layer types or None) as each family's transformers code derives them."""
+    n = hf["num_hidden_layers"]
+    if arch == "llama":
+        return None, None
+    if arch in ("mistral", "phi3"):  # one window for every layer
+        return hf.get("sliding_window"), None
+    if arch in ("qwen2", "qwen3"):  # windows only with use_sliding_window, on layers from max_window_layers on
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        first = hf.get("max_window_layers", 28)
+        default = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
+    else:  # Gemma: every `pattern`-th layer is global, the others slide
+        window = hf.get("sliding_window", 4096)
+        pattern = 2 if arch == "gemma2" else hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+        default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    return window, hf.get("layer_types") or default
+
+
+def _refuse_unsupported(hf: dict[str, Any], arch: str) -> None:
+    # Qwen2 always has q/k/v biases (and no `attention_bias` field); elsewhere the flag adds an o bias too.
+    flags = ("mlp_bias",) if arch == "qwen2" else ("attention_bias", "mlp_bias")
+    for flag in flags:
         if hf.get(flag):
-            raise ConfigError(f"unsupported config field {flag}=True: biases are not implemented")
-    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"unsupported config field rope_scaling type {rope_type!r}: only plain RoPE is implemented")
+            raise ConfigError(f"unsupported config field {flag}=True: biases are not implemented for {arch}")
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("unsupported config field use_bidirectional_attention=True: only causal attention is implemented")
     # transformers 5 may keep partial_rotary_factor inside `rope_parameters` (Phi-3 does).
     partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ConfigError(f"unsupported config field partial_rotary_factor={partial}: only full RoPE is implemented")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_ints(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(map(_is_int, value))
+
+
+_TYPES = {  # annotation: (accepts, normalises); numpy ints become ints, ints floats, lists tuples
+    "int": (_is_int, int),
+    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), float),
+    "bool": (lambda v: isinstance(v, bool), bool),
+    "str": (lambda v: isinstance(v, str), str),
+    "tuple[int, ...]": (_is_ints, lambda v: tuple(map(int, v))),
+    "tuple[int, int]": (_is_ints, lambda v: tuple(map(int, v))),
+}
+
+
+def _typed(name: str, value, annotation: str):
+    """`value` as the plain Python type its annotation names; ConfigError for anything else (a
+    string "64", or a bool where a number belongs). Annotations not in `_TYPES` are not checked."""
+    base, _, optional = annotation.partition(" | ")
+    if base not in _TYPES or value is None and optional == "None":
+        return value
+    accepts, normalise = _TYPES[base]
+    if not accepts(value):
+        raise ConfigError(f"config field {name} must be {annotation.replace(' | None', ' or None')}, got {value!r}")
+    return normalise(value)
+
+
 def validate_skip(skip, num_layers: int) -> tuple[int, int]:
     """Checks an inclusive skip range [l, h] and returns it as a tuple of ints."""
-    try:
-        low, high = (int(i) for i in skip)
-    except (TypeError, ValueError):
-        raise ConfigError(f"skip range must be a pair (l, h), got {skip!r}") from None
+    if isinstance(skip, (str, bytes)) or not hasattr(skip, "__len__") or len(skip) != 2 or not all(map(_is_int, skip)):
+        raise ConfigError(f"skip range must be a pair of ints (l, h), got {skip!r}")
+    low, high = (int(i) for i in skip)
     if not 0 <= low <= high < num_layers:
         raise ConfigError(f"skip range [{low}, {high}] is outside the model's layers 0..{num_layers - 1}")
     if high - low + 1 == num_layers:

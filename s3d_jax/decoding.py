@@ -8,7 +8,6 @@ cache included, is donated: the cache is updated in place.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import flax.struct
@@ -166,7 +165,8 @@ class Run:
         statics = dict(config=self.config, plan=self.plan)
         args = self._prefill_args()
         prefill_exe, prefill_seconds = compiled(_prefill_jit, *args, **statics, max_len=self.max_len)
-        state = jax.eval_shape(functools.partial(prefill, **statics, max_len=self.max_len), *args)
+        # The loop state's shapes, read off the executable rather than traced a second time.
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prefill_exe.out_info)
         stop = jax.ShapeDtypeStruct((), jnp.int32)
         advance_exe, advance_seconds = compiled(_advance_jit, self.params, state, stop, **statics)
         self._executables = (prefill_exe, advance_exe)

@@ -9,8 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from s3d_jax import options
+from s3d_jax import compile_cache, options
 from s3d_jax.api import DecodeOutput, load, stream
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def parse_args(argv=None):
@@ -20,15 +27,17 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="converted model directory (default: bundled SmolLM2-135M-Instruct)")
     options.add_arguments(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    p.add_argument("--chunk", type=int, default=4, help="iterations between streamed updates")
+    p.add_argument("--chunk", type=positive_int, default=4, help="iterations between streamed updates")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        decode_options = options.DecodeOptions.from_args(args)  # checked before the model loads
+        compile_cache.enable()
         model = load(args.model, dtype=args.dtype)
-        chunks = stream(model, args.prompt, options.DecodeOptions.from_args(args), chunk_iterations=args.chunk)
+        chunks = stream(model, args.prompt, decode_options, chunk_iterations=args.chunk)
         shown = ""
         for chunk in chunks:
             if isinstance(chunk, DecodeOutput):

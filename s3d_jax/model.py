@@ -1,4 +1,5 @@
-"""Decoder-only Transformer (LLaMA, Mistral, Phi-3) as pure-functional Flax modules.
+"""Decoder-only Transformer (LLaMA, Mistral, Phi-3, Qwen2, Qwen3, Gemma-2, Gemma-3) as pure-functional
+Flax modules; the families differ only in `ModelConfig` options.
 
 Shapes carry their axes in their names: B batch, T new tokens, S context keys, D hidden,
 H query heads, K key/value heads, G = H // K query heads per KV head, E head dim, F FFN, V vocab.
@@ -9,17 +10,21 @@ drafter the full model minus a middle range. Attention always has two key segmen
     sequence's target keys in training), visible through `context_mask`;
   - the block itself, visible through `block_mask`.
 The block's own keys and values are returned so the caller decides whether to cache them.
+The masks say what is visible regardless of sliding windows: each layer applies its own window
+(`ModelConfig.layer_window`) from the query and key positions, so layers may differ (Gemma).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from s3d_jax.config import ModelConfig
+from s3d_jax.config import ModelConfig, RopeScaling
 
 NEG_INF = jnp.finfo(jnp.float32).min
 init_normal = nn.initializers.normal(stddev=0.02)
@@ -49,12 +54,14 @@ class DraftLoRA(nn.Module):
         return jnp.tensordot(low, b, axes=1)
 
 
-def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool):
-    """`x @ W` over the trailing `in_shape` axes, plus the draft-only LoRA update in draft passes."""
+def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool, bias: bool = False):
+    """`x @ W` (+ b) over the trailing `in_shape` axes, plus the draft-only LoRA update in draft passes."""
     c = module.config
     w = module.param(name, init_normal, (*in_shape, *out_shape), c.jnp_dtype)
     n_in = len(in_shape)
     y = jnp.tensordot(x, w, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))))
+    if bias:
+        y = y + module.param(f"{name}_bias", nn.initializers.zeros, tuple(out_shape), c.jnp_dtype)
     if c.draft_lora_rank:
         lora = DraftLoRA(c.draft_lora_rank, tuple(in_shape), tuple(out_shape), c.jnp_dtype, name=f"{name}_lora")
         if draft or module.is_initializing():
@@ -63,21 +70,50 @@ def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool):
 
 
 class RMSNorm(nn.Module):
+    """Over the last axis. `plus_one` (Gemma): the stored `w` scales by `1 + w`, in float32 before
+    the cast back, as transformers' Gemma norms do; otherwise by `w`, after the cast (LLaMA)."""
+
     eps: float
     dtype: jnp.dtype
+    plus_one: bool = False
 
     @nn.compact
     def __call__(self, x_BTD):
-        scale_D = self.param("scale", nn.initializers.ones, (x_BTD.shape[-1],), self.dtype)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale_D = self.param("scale", init, (x_BTD.shape[-1],), self.dtype)
         x32 = x_BTD.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (normed * (1.0 + scale_D.astype(jnp.float32))).astype(x_BTD.dtype)
         return scale_D * normed.astype(x_BTD.dtype)
 
 
-def rope(x_BTNE, positions_BT, theta: float):
-    """Rotary embedding in the rotate-half layout, with angles in float32."""
-    half = x_BTNE.shape[-1] // 2
+def softcap(x, cap: float | None):
+    """`cap * tanh(x / cap)` (Gemma-2's attention scores and logits); `x` itself without a cap."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None):
+    """RoPE's inverse frequencies `[head_dim / 2]` in float32, scaled as transformers scales them."""
+    half = head_dim // 2
     inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths slow down by `factor`, short ones stay, and those between interpolate.
+    wavelen = 2 * math.pi / inv_freq
+    context = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = context / scaling.low_freq_factor, context / scaling.high_freq_factor
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), smoothed, scaled)
+
+
+def rope(x_BTNE, positions_BT, theta: float, scaling: RopeScaling | None = None):
+    """Rotary embedding in the rotate-half layout, with angles in float32."""
+    inv_freq = rope_frequencies(x_BTNE.shape[-1], theta, scaling)
     angles_BTE = positions_BT.astype(jnp.float32)[..., None] * inv_freq
     cos, sin = jnp.cos(angles_BTE)[:, :, None, :], jnp.sin(angles_BTE)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNE.astype(jnp.float32), 2, axis=-1)
@@ -87,15 +123,21 @@ def rope(x_BTNE, positions_BT, theta: float):
 
 class Attention(nn.Module):
     config: ModelConfig
+    layer: int  # which layer: its window and RoPE may differ from the others'
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, context_kv, context_mask_BTS, block_mask_BTT, draft: bool):
+    def __call__(self, x_BTD, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft: bool):
         c = self.config
         D, H, K, E = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         G = H // K
-        q_BTHE = rope(linear(self, "q", x_BTD, (D,), (H, E), draft), positions_BT, c.rope_theta)
-        k_BTKE = rope(linear(self, "k", x_BTD, (D,), (K, E), draft), positions_BT, c.rope_theta)
-        v_BTKE = linear(self, "v", x_BTD, (D,), (K, E), draft)
+        q_BTHE = linear(self, "q", x_BTD, (D,), (H, E), draft, bias=c.qkv_bias)
+        k_BTKE = linear(self, "k", x_BTD, (D,), (K, E), draft, bias=c.qkv_bias)
+        v_BTKE = linear(self, "v", x_BTD, (D,), (K, E), draft, bias=c.qkv_bias)
+        if c.qk_norm:
+            q_BTHE = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, name="q_norm")(q_BTHE)
+            k_BTKE = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, name="k_norm")(k_BTKE)
+        theta, scaling = c.layer_rope(self.layer)
+        q_BTHE, k_BTKE = rope(q_BTHE, positions_BT, theta, scaling), rope(k_BTKE, positions_BT, theta, scaling)
 
         B, T = x_BTD.shape[:2]
         q_BTKGE = q_BTHE.reshape(B, T, K, G, E)
@@ -104,9 +146,14 @@ class Attention(nn.Module):
         # XLA's CPU dot wants; any other layout makes it transpose (copy) the whole cache per step.
         k_BKTE, v_BKET = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 3, 1)
         context_k_BKSE, context_v_BKES = context_kv
-        f32, scale = jnp.float32, E**-0.5
+        f32, scale = jnp.float32, (c.query_pre_attn_scalar or E) ** -0.5
         scores_ctx = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, context_k_BKSE, preferred_element_type=f32) * scale
         scores_blk = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKTE, preferred_element_type=f32) * scale
+        scores_ctx, scores_blk = softcap(scores_ctx, c.attn_softcap), softcap(scores_blk, c.attn_softcap)
+        window = c.layer_window(self.layer)
+        q_pos_BT1 = positions_BT[:, :, None]
+        context_mask_BTS = context_mask_BTS & window_mask(q_pos_BT1, context_positions_BS[:, None, :], window)
+        block_mask_BTT = block_mask_BTT & window_mask(q_pos_BT1, positions_BT[:, None, :], window)
         S = scores_ctx.shape[-1]
         scores = jnp.concatenate(
             [
@@ -130,26 +177,42 @@ class MLP(nn.Module):
     def __call__(self, x_BTD, draft: bool):
         c = self.config
         D, F = c.hidden_size, c.intermediate_size
-        h_BTF = nn.silu(linear(self, "gate", x_BTD, (D,), (F,), draft)) * linear(self, "up", x_BTD, (D,), (F,), draft)
+        gate_BTF = linear(self, "gate", x_BTD, (D,), (F,), draft)
+        act = nn.silu if c.hidden_act == "silu" else lambda x: nn.gelu(x, approximate=True)  # GeGLU: tanh GELU
+        h_BTF = act(gate_BTF) * linear(self, "up", x_BTD, (D,), (F,), draft)
         return linear(self, "down", h_BTF, (F,), (D,), draft)
 
 
 class Block(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual; with `post_norms` (Gemma) their outputs
+    are normed too before the addition."""
+
     config: ModelConfig
+    layer: int
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, context_kv, context_mask_BTS, block_mask_BTT, draft: bool):
+    def __call__(self, x_BTD, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft: bool):
         c = self.config
-        attn_out, kv = Attention(c, name="attn")(
-            RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="attn_norm")(x_BTD),
+
+        def norm(name):
+            return RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, name=name)
+
+        attn_out, kv = Attention(c, self.layer, name="attn")(
+            norm("attn_norm")(x_BTD),
             positions_BT,
             context_kv,
+            context_positions_BS,
             context_mask_BTS,
             block_mask_BTT,
             draft,
         )
+        if c.post_norms:
+            attn_out = norm("attn_post_norm")(attn_out)
         h_BTD = x_BTD + attn_out
-        return h_BTD + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="mlp_norm")(h_BTD), draft), kv
+        mlp_out = MLP(c, name="mlp")(norm("mlp_norm")(h_BTD), draft)
+        if c.post_norms:
+            mlp_out = norm("mlp_post_norm")(mlp_out)
+        return h_BTD + mlp_out, kv
 
 
 class Transformer(nn.Module):
@@ -160,8 +223,8 @@ class Transformer(nn.Module):
         # One column per token, [D, V]: the layout the (tied) head's matmul reads in place. A step
         # looks up only B x T columns, so the lookup's layout hardly matters.
         self.embedding = self.param("embed", init_normal, (c.hidden_size, c.vocab_size), c.jnp_dtype)
-        self.blocks = [Block(c, name=f"layer_{i}") for i in range(c.num_layers)]
-        self.final_norm = RMSNorm(c.rms_norm_eps, c.jnp_dtype)
+        self.blocks = [Block(c, i, name=f"layer_{i}") for i in range(c.num_layers)]
+        self.final_norm = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one)
         if not c.tie_embeddings:
             self.lm_head = self.param("lm_head", init_normal, (c.hidden_size, c.vocab_size), c.jnp_dtype)
 
@@ -170,6 +233,7 @@ class Transformer(nn.Module):
         tokens_BT,
         positions_BT,
         context_kvs: Sequence,
+        context_positions_BS,
         context_mask_BTS,
         block_mask_BTT,
         layers: Sequence[int],
@@ -178,13 +242,17 @@ class Transformer(nn.Module):
         """Runs `layers` in order; returns final-normed hidden states and each layer's block K/V.
 
         `context_kvs[i]` is the context (keys `[B, K, S, E]`, values `[B, K, E, S]`) for the i-th entry
-        of `layers`. `draft` applies the
+        of `layers`, at positions `context_positions_BS` (for sliding windows). `draft` applies the
         draft-only adapters, if the model has them.
         """
         x_BTD = jnp.moveaxis(jnp.take(self.embedding, tokens_BT, axis=1), 0, -1)
+        if self.config.scale_embeddings:  # by sqrt(D) rounded to the weights' dtype, as transformers does
+            x_BTD = x_BTD * jnp.asarray(np.float32(self.config.hidden_size**0.5)).astype(x_BTD.dtype)
         block_kvs = []
         for layer, context_kv in zip(layers, context_kvs, strict=True):
-            x_BTD, kv = self.blocks[layer](x_BTD, positions_BT, context_kv, context_mask_BTS, block_mask_BTT, draft)
+            x_BTD, kv = self.blocks[layer](
+                x_BTD, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft
+            )
             block_kvs.append(kv)
         return self.final_norm(x_BTD), tuple(block_kvs)
 
@@ -199,25 +267,27 @@ class Transformer(nn.Module):
         B = tokens_BT.shape[0]
         empty_k = jnp.zeros((B, c.num_kv_heads, 0, c.head_dim), self.embedding.dtype)
         empty_v = jnp.zeros((B, c.num_kv_heads, c.head_dim, 0), self.embedding.dtype)
+        no_context_BS = jnp.zeros((B, 0), jnp.int32)
         no_context_BTS = jnp.zeros((*mask_BTT.shape[:2], 0), bool)
-        return self(tokens_BT, positions_BT, [(empty_k, empty_v)] * c.num_layers, no_context_BTS, mask_BTT, c.all_layers)
+        kvs = [(empty_k, empty_v)] * c.num_layers
+        return self(tokens_BT, positions_BT, kvs, no_context_BS, no_context_BTS, mask_BTT, c.all_layers)
 
     def init_all(self, tokens_BT):
         """Touches every parameter, for `init`."""
-        hidden, _ = self.full(tokens_BT, *causal_inputs(tokens_BT, self.config.sliding_window))
+        hidden, _ = self.full(tokens_BT, *causal_inputs(tokens_BT))
         return self.logits(hidden)
 
 
-def causal_inputs(tokens_BT, sliding_window: int | None):
-    """Positions `0 .. T-1` and the causal (windowed) mask of one unpadded sequence per row."""
+def causal_inputs(tokens_BT):
+    """Positions `0 .. T-1` and the causal mask of one unpadded sequence per row."""
     B, T = tokens_BT.shape
-    return jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.broadcast_to(causal_mask(T, sliding_window), (B, T, T))
+    return jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.broadcast_to(causal_mask(T), (B, T, T))
 
 
-def causal_mask(T: int, sliding_window: int | None):
-    """`[T, T]`: each position sees itself and the positions before it, within the window."""
+def causal_mask(T: int):
+    """`[T, T]`: each position sees itself and the positions before it (layers apply their windows)."""
     t = jnp.arange(T)
-    return (t[:, None] >= t[None, :]) & window_mask(t[:, None], t[None, :], sliding_window)
+    return t[:, None] >= t[None, :]
 
 
 def init_params(config: ModelConfig, rng: jax.Array):
@@ -231,9 +301,11 @@ def abstract_params(config: ModelConfig):
     return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
 
 
-def run_layers(params, config: ModelConfig, tokens_BT, positions_BT, context_kvs, context_mask, block_mask, layers, draft=False):
+def run_layers(
+    params, config: ModelConfig, tokens_BT, positions_BT, context_kvs, context_positions, context_mask, block_mask, layers, draft=False
+):
     return Transformer(config).apply(
-        {"params": params}, tokens_BT, positions_BT, context_kvs, context_mask, block_mask, tuple(layers), draft
+        {"params": params}, tokens_BT, positions_BT, context_kvs, context_positions, context_mask, block_mask, tuple(layers), draft
     )
 
 
@@ -241,13 +313,14 @@ def full_pass(params, config: ModelConfig, tokens_BT, positions_BT=None, mask_BT
     """The full model with no context: (final hidden states, every layer's keys and values).
     Positions and mask default to one causal sequence per row."""
     if positions_BT is None:
-        positions_BT, mask_BTT = causal_inputs(tokens_BT, config.sliding_window)
+        positions_BT, mask_BTT = causal_inputs(tokens_BT)
     return Transformer(config).apply({"params": params}, tokens_BT, positions_BT, mask_BTT, method=Transformer.full)
 
 
 def lm_logits(params, config: ModelConfig, hidden_BTD):
-    """Float32 logits over every row of the vocabulary, the mask row included."""
-    return Transformer(config).apply({"params": params}, hidden_BTD, method=Transformer.logits)
+    """Float32 logits over every row of the vocabulary, the mask row included (soft-capped for Gemma-2)."""
+    logits = Transformer(config).apply({"params": params}, hidden_BTD, method=Transformer.logits)
+    return softcap(logits, config.final_softcap)
 
 
 def head_logits(params, config: ModelConfig, hidden_BTD):

@@ -6,8 +6,10 @@ One sequence is processed in parallel:
   3. a draft pass over the masked sequence through the draft layers, where position p sees the
      target keys and values before its anchor a(p) and the draft's own from a(p) to p: one
      attention over `[target K/V ; draft K/V]` with a `T x 2T` mask, exactly what p sees at inference;
-  4. cross-entropy of position p against x_{p+1} on masked positions and anchors, with accuracy per
-     depth j = p - a(p).
+  4. a loss of position p on masked positions and anchors: cross-entropy against x_{p+1} (the data),
+     or against the verifier's own prediction at p (`Objective.target`); accuracy per depth
+     j = p - a(p) counts agreement with the verifier's argmax whenever its logits are computed
+     (always in evaluation), which is what greedy verification accepts.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ import numpy as np
 import optax
 
 from s3d_jax.config import ModelConfig
-from s3d_jax.model import full_pass, head_logits, lm_logits, run_layers, window_mask
+from s3d_jax.model import NEG_INF, full_pass, head_logits, lm_logits, run_layers
 
 MASKINGS = ("span", "iid")
 LOSS_POSITIONS = ("anchors", "unmasked")
+# What the draft learns at each position: the data's next token, or the verifier's own prediction
+# there (its argmax, its distribution by KL, or its distribution by total variation, which is one
+# minus the chance that speculative sampling accepts the draft).
+TARGETS = ("data", "verifier_argmax", "verifier_kl", "verifier_tv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +42,9 @@ class Objective:
     target_grad: bool = False  # let gradients flow through the target keys and values
     lm_loss_weight: float = 0.0  # the full model's own next-token loss, to preserve the verifier
     kl_weight: float = 0.0  # KL(original || current) on full-model outputs, to preserve the verifier
+    target: str = "data"  # one of TARGETS
+    target_temperature: float = 1.0  # verifier_kl: both distributions at this temperature
+    target_top_k: int = 0  # verifier_kl: the verifier's k most likely tokens, renormalised (0: all)
     max_depth: int = 8  # depths reported in the metrics
 
     def __post_init__(self):
@@ -47,6 +56,16 @@ class Objective:
             raise ValueError(f"gamma must be >= 1, got {self.gamma}")
         if not 0.0 < self.mask_prob < 1.0:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
+        if not self.target_temperature > 0:
+            raise ValueError(f"target_temperature must be > 0, got {self.target_temperature}")
+        if self.target_top_k < 0:
+            raise ValueError(f"target_top_k must be >= 0, got {self.target_top_k}")
+
+    @property
+    def uses_verifier(self) -> bool:
+        return self.target != "data"
 
 
 @jax.tree_util.register_dataclass
@@ -78,15 +97,15 @@ def anchors_of(masked_BT):
     return jax.lax.cummax(jnp.where(masked_BT, 0, p), axis=1)
 
 
-def _same_segment_window(batch: Batch, config: ModelConfig):
-    same = batch.segment_ids[:, :, None] == batch.segment_ids[:, None, :]
-    return same & window_mask(batch.positions[:, :, None], batch.positions[:, None, :], config.sliding_window)
+def _same_segment(batch: Batch):
+    """`[B, T, T]`: the pairs in the same conversation. Sliding windows are left to each layer."""
+    return batch.segment_ids[:, :, None] == batch.segment_ids[:, None, :]
 
 
 def target_pass(params, config: ModelConfig, batch: Batch):
     """Full model over the clean sequence: final hidden states and every layer's keys and values."""
     T = batch.tokens.shape[1]
-    causal = (jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]) & _same_segment_window(batch, config)
+    causal = (jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]) & _same_segment(batch)
     return full_pass(params, config, batch.tokens, batch.positions, causal)
 
 
@@ -95,14 +114,14 @@ def draft_pass(params, config: ModelConfig, objective: Objective, batch: Batch, 
     T = batch.tokens.shape[1]
     anchor = anchors_of(masked_BT)
     s = jnp.arange(T)[None, None, :]
-    visible = _same_segment_window(batch, config)
+    visible = _same_segment(batch)
     context_mask = (s < anchor[:, :, None]) & visible
     block_mask = (s >= anchor[:, :, None]) & (s <= jnp.arange(T)[None, :, None]) & visible
     layers = config.draft_layers(objective.skip)
     draft_tokens = jnp.where(masked_BT, config.mask_token_id, batch.tokens)
     hidden, _ = run_layers(
         params, config, draft_tokens, batch.positions, [target_kvs[i] for i in layers],
-        context_mask, block_mask, layers, draft=True,
+        batch.positions, context_mask, block_mask, layers, draft=True,
     )
     return head_logits(params, config, hidden), anchor
 
@@ -113,6 +132,23 @@ def next_token_targets(batch: Batch):
     same_next = jnp.pad(batch.segment_ids[:, 1:], ((0, 0), (0, 1))) == batch.segment_ids
     in_loss = jnp.pad(batch.loss_mask[:, 1:], ((0, 0), (0, 1)))
     return targets, same_next & in_loss & (batch.segment_ids > 0)
+
+
+def target_loss(draft_logits_BTV, data_targets_BT, verifier_logits_BTV, objective: Objective):
+    """Per-position loss `[B, T]` of the draft against what `objective.target` names."""
+    if objective.target == "data":
+        return optax.softmax_cross_entropy_with_integer_labels(draft_logits_BTV, data_targets_BT)
+    if objective.target == "verifier_argmax":
+        return optax.softmax_cross_entropy_with_integer_labels(draft_logits_BTV, jnp.argmax(verifier_logits_BTV, -1))
+    tau = objective.target_temperature
+    verifier = verifier_logits_BTV / tau
+    if objective.target_top_k:
+        kth = jax.lax.top_k(verifier, objective.target_top_k)[0][..., -1:]
+        verifier = jnp.where(verifier < kth, NEG_INF, verifier)
+    p, log_q = jax.nn.softmax(verifier, -1), jax.nn.log_softmax(draft_logits_BTV / tau, -1)
+    if objective.target == "verifier_kl":  # KL(p || q), scaled by τ² so gradients keep their size
+        return tau**2 * jnp.sum(p * (jnp.log(jnp.maximum(p, 1e-30)) - log_q), -1)
+    return 0.5 * jnp.sum(jnp.abs(p - jnp.exp(log_q)), -1)  # verifier_tv
 
 
 def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Objective, original_params=None, report_verifier=False):
@@ -127,16 +163,21 @@ def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Object
     logits, anchor = draft_pass(params, config, objective, batch, masked, target_kvs)
 
     targets, valid = next_token_targets(batch)
+    # The verifier's prediction at p is the label greedy verification checks a draft against.
+    verifier_logits = None
+    if objective.uses_verifier or report_verifier:
+        verifier_logits = jax.lax.stop_gradient(head_logits(params, config, full_hidden))
+    labels = targets if verifier_logits is None else jnp.argmax(verifier_logits, -1)
     next_masked = jnp.pad(masked[:, 1:], ((0, 0), (0, 1)))
     every_unmasked = objective.masking == "span" or objective.loss_positions == "unmasked"
     is_anchor = ~masked & (next_masked | every_unmasked)
     selected = (masked | is_anchor) & valid
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    ce = target_loss(logits, targets, verifier_logits, objective)
     n_selected = jnp.maximum(selected.sum(), 1)
     draft_loss = jnp.sum(ce * selected) / n_selected
     loss = draft_loss
 
-    correct = (jnp.argmax(logits, -1) == targets) & selected
+    correct = (jnp.argmax(logits, -1) == labels) & selected
     depth = jnp.arange(batch.tokens.shape[1])[None, :] - anchor
     depth_onehot = (depth[..., None] == jnp.arange(objective.max_depth)) & selected[..., None]
     # Accepted drafts per anchor: positions whose whole run from the anchor was right.

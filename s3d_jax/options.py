@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import numbers
 
 METHODS = ("ar", "s3d", "selfspec")
 DEFAULT_GAMMA = 4
+SEED_LIMIT = 2**32  # jax.random.key keeps only a seed's low 32 bits (without jax_enable_x64): 2**32 would equal 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +31,36 @@ class DecodeOptions:
     max_len: int | None = None  # cache positions; None: the smallest bucket that fits
 
     def __post_init__(self):
-        if self.method not in METHODS:
+        """Checks every field's type and range (what needs the model is checked by `api.prepare`)."""
+        if not isinstance(self.method, str) or self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        def set_(name, value):  # normalised: numpy ints become ints, ints floats, lists tuples
+            object.__setattr__(self, name, value)
+
+        for name in ("gamma", "max_len"):  # None: chosen from the model
+            if getattr(self, name) is not None:
+                set_(name, check_int(name, getattr(self, name), 1))
+        set_("max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1))
+        set_("top_k", check_int("top_k", self.top_k, 0))
+        set_("seed", check_int("seed", self.seed, 0))
+        if self.seed >= SEED_LIMIT:
+            raise ValueError(f"seed must be < 2**32 (a JAX key keeps 32 bits of it), got {self.seed}")
+        set_("temperature", check_float("temperature", self.temperature))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        set_("top_p", check_float("top_p", self.top_p))
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.chat, bool):
+            raise TypeError(f"chat must be True or False, got {self.chat!r}")
         if self.skip is not None:
-            object.__setattr__(self, "skip", tuple(self.skip))
+            if isinstance(self.skip, (str, bytes)) or not hasattr(self.skip, "__len__") or len(self.skip) != 2:
+                raise TypeError(f"skip must be a pair of layer indices (l, h), got {self.skip!r}")
+            set_("skip", tuple(check_int("skip", i, 0) for i in self.skip))
         if self.eos_token_ids is not None:
-            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+            if isinstance(self.eos_token_ids, (str, bytes)) or not hasattr(self.eos_token_ids, "__iter__"):
+                raise TypeError(f"eos_token_ids must be a sequence of token ids, got {self.eos_token_ids!r}")
+            set_("eos_token_ids", tuple(check_int("eos_token_ids", i, 0) for i in self.eos_token_ids))
 
     def replace(self, **changes) -> DecodeOptions:
         return dataclasses.replace(self, **changes)
@@ -43,6 +70,24 @@ class DecodeOptions:
         """Options from the flags that `add_arguments` defined."""
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         return cls(**{**fields, **changes})
+
+
+def check_int(name: str, value, low: int) -> int:
+    """`value` as a Python int >= low; a bool, float or string is a TypeError, not truncated."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def check_float(name: str, value) -> float:
+    """`value` as a finite Python float; NaN and infinity are errors."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
 
 
 def default_skip(num_layers: int) -> tuple[int, int]:

@@ -13,19 +13,11 @@ from s3d_jax.model import NEG_INF
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """Static sampling settings; `temperature == 0` is greedy decoding."""
+    """Static sampling settings; `temperature == 0` is greedy decoding. Checked by DecodeOptions."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 keeps every token
     top_p: float = 1.0
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
@@ -34,7 +26,11 @@ class Sampling:
 
 def log_probs(logits, sampling: Sampling):
     """Log-probabilities after temperature, top-k and top-p (removed tokens get -inf)."""
-    logits = logits.astype(jnp.float32) / sampling.temperature
+    # Shifted so that the largest logit is 0 and the rest negative: a tiny temperature then sends
+    # them to -inf instead of overflowing every logit to inf (NaNs, garbage tokens).
+    logits = logits.astype(jnp.float32)
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    logits = jnp.where(shifted == 0, 0.0, shifted / sampling.temperature)
     if sampling.top_k:
         kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, NEG_INF, logits)

@@ -8,8 +8,8 @@ The cache holds full-model keys and values for positions `[0, n)`; `x_n` is know
 Methods, one engine:
   ar        γ = 0: no draft, the verifier alone is plain autoregressive decoding
   s3d       one draft pass over `[x_n, <M> × (γ-1)]` that attends to the cache and does not write it
-  selfspec  γ draft passes of one token each (Draft & Verify); they write draft-layer entries
-            at positions `n ..`, which are stale and which verification overwrites
+  selfspec  γ draft passes of one token each (Draft & Verify), looped, not unrolled; they write
+            draft-layer entries at positions `n ..`, which are stale and which verification overwrites
 """
 
 from __future__ import annotations
@@ -51,17 +51,23 @@ def draft_s3d(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rn
 
 
 def draft_selfspec(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng):
-    n = cache.lengths
-    token, drafts, logits = x_n_B, [], []
-    for j, step_rng in enumerate(jax.random.split(rng, plan.gamma)):
+    """γ one-token draft passes in a `fori_loop`: one pass is compiled, not γ unrolled copies."""
+    B, n = x_n_B.shape[0], cache.lengths
+    rngs = jax.random.split(rng, plan.gamma)
+
+    def step(j, carry):
+        token_B, drafts_BG, logits_BGV, cache = carry
         hidden, cache = cached_forward(
-            params, config, cache.replace(lengths=n + j), token[:, None], plan.draft_layers, write=True, draft=True
+            params, config, cache.replace(lengths=n + j), token_B[:, None], plan.draft_layers, write=True, draft=True
         )
-        step_logits = head_logits(params, config, hidden)
-        token = choose(step_rng, step_logits[:, 0], plan.sampling)
-        drafts.append(token)
-        logits.append(step_logits)
-    return jnp.stack(drafts, axis=1), jnp.concatenate(logits, axis=1), cache.replace(lengths=n)
+        step_logits_BV = head_logits(params, config, hidden)[:, 0]
+        token_B = choose(rngs[j], step_logits_BV, plan.sampling)
+        return token_B, drafts_BG.at[:, j].set(token_B), logits_BGV.at[:, j].set(step_logits_BV), cache
+
+    drafts_BG = jnp.zeros((B, plan.gamma), jnp.int32)
+    logits_BGV = jnp.zeros((B, plan.gamma, config.vocab_size), jnp.float32)
+    _, drafts_BG, logits_BGV, cache = jax.lax.fori_loop(0, plan.gamma, step, (x_n_B, drafts_BG, logits_BGV, cache))
+    return drafts_BG, logits_BGV, cache.replace(lengths=n)
 
 
 def draft(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng):

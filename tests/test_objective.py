@@ -73,3 +73,55 @@ def test_loss_counts_only_targets_in_the_loss_mask():
     _, metrics = loss_fn(model.params, batch, jax.random.key(0), config=model.config, objective=Objective(skip=(2, 3), gamma=3))
     # Positions 5..10 predict tokens 6..11, which are in the mask; position 11 has no next token.
     assert int(metrics["targets"]) == 6
+
+
+# ------------------------------------------------------------------ distillation targets
+
+
+def _verifier_logits(seed=0, shape=(2, 5, 11)):
+    return jax.random.normal(jax.random.key(seed), shape) * 3.0
+
+
+def test_verifier_argmax_loss_vanishes_exactly_when_the_draft_argmax_agrees():
+    from s3d_jax.objective import target_loss
+
+    verifier = _verifier_logits()
+    data = jnp.zeros(verifier.shape[:2], jnp.int32)
+    objective = Objective(skip=(1, 2), gamma=2, target="verifier_argmax")
+    agree = 200.0 * jax.nn.one_hot(jnp.argmax(verifier, -1), verifier.shape[-1])
+    disagree = 200.0 * jax.nn.one_hot((jnp.argmax(verifier, -1) + 1) % verifier.shape[-1], verifier.shape[-1])
+    assert float(jnp.max(target_loss(agree, data, verifier, objective))) < 1e-6
+    assert float(jnp.min(target_loss(disagree, data, verifier, objective))) > 100.0
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_kl_and_tv_targets_vanish_for_equal_distributions(top_k):
+    from s3d_jax.model import NEG_INF
+    from s3d_jax.objective import target_loss
+
+    verifier = _verifier_logits(seed=1)
+    data = jnp.zeros(verifier.shape[:2], jnp.int32)
+    draft = verifier
+    if top_k:  # the draft equals the verifier's renormalised top-k
+        kth = jax.lax.top_k(verifier, top_k)[0][..., -1:]
+        draft = jnp.where(verifier < kth, NEG_INF, verifier)
+    for target, tau in (("verifier_kl", 1.0), ("verifier_kl", 2.0), ("verifier_tv", 1.0)):
+        objective = Objective(skip=(1, 2), gamma=2, target=target, target_temperature=tau, target_top_k=top_k)
+        assert float(jnp.max(jnp.abs(target_loss(draft, data, verifier, objective)))) < 1e-5
+        other = target_loss(_verifier_logits(seed=2), data, verifier, objective)
+        assert float(jnp.min(other)) > 1e-3
+        if target == "verifier_tv":
+            assert float(jnp.max(other)) <= 1.0
+
+
+@pytest.mark.parametrize("target", ["data", "verifier_argmax", "verifier_kl", "verifier_tv"])
+def test_every_target_trains_with_finite_gradients(target):
+    model = tiny_model(seed=3)
+    config = model.config
+    tokens = np.random.default_rng(0).integers(0, config.mask_token_id, 24).tolist()
+    objective = Objective(skip=(2, 3), gamma=3, target=target, target_top_k=8 if target == "verifier_kl" else 0)
+    grads, metrics = jax.grad(loss_fn, has_aux=True)(
+        model.params, single_batch(tokens), jax.random.key(0), config=config, objective=objective
+    )
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    assert float(metrics["targets"]) > 0

@@ -236,7 +236,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
 
 
 def test_dry_run_needs_no_weights():
-    for name in ("phi3", "llama2_7b"):
+    for name in ("phi3", "llama2_7b", "llama3_8b", "qwen3_8b"):
         result = subprocess.run([sys.executable, "-m", "s3d_jax.train", "--config", str(ROOT / "configs" / f"{name}.py"), "--dry-run"],
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]

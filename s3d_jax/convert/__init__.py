@@ -1,4 +1,5 @@
-"""Converts a Hugging Face model directory or a llama GGUF file into an s3d_jax model directory, and back.
+"""Converts a Hugging Face model directory or a GGUF file (llama, qwen2, qwen3, gemma2, gemma3) into an s3d_jax
+model directory, and back.
 
     python -m s3d_jax.convert SRC OUT [--dtype float32|bfloat16|float16] [--quiet] [--overwrite]   (or tools/convert_hf.py)
     python -m s3d_jax.convert MODEL HF_OUT --to-hf      # back to transformers, e.g. a trained drafter
@@ -31,7 +32,7 @@ from s3d_jax.config import DTYPES, ConfigError, ModelConfig
 from s3d_jax.convert.export import config_to_hf, export_hf
 from s3d_jax.convert.gguf_file import read_gguf
 from s3d_jax.convert.layout import params_from_hf, params_to_hf
-from s3d_jax.convert.mask_row import add_mask_row, mask_row_plan, pad_vocab
+from s3d_jax.convert.mask_row import add_mask_row, mask_row_plan, pad_vocab, reserved_token_id
 from s3d_jax.convert.readers import HFSource, read_hf_dir
 from s3d_jax.model import abstract_params
 
@@ -77,7 +78,7 @@ def check_output(src: str | Path, out: str | Path, overwrite: bool) -> None:
 
 
 def convert(src: str | Path, out: str | Path, dtype: str = "float32", progress: bool = True, overwrite: bool = False) -> Path:
-    """Converts an HF model directory or a llama GGUF file at `src` into an s3d_jax model at `out`
+    """Converts an HF model directory or a GGUF file at `src` into an s3d_jax model at `out`
     (written atomically; a non-empty `out` is refused unless `overwrite`, and then replaced whole)."""
     if dtype not in DTYPES:
         raise ConfigError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
@@ -90,7 +91,8 @@ def convert(src: str | Path, out: str | Path, dtype: str = "float32", progress: 
     params = params_from_hf(source.tensors, config, progress=progress)
     tokenizer_size = len(source.tokenizer) if source.tokenizer is not None else None
     recorded = source.config.get("s3d") or {}  # written by `export_hf`
-    params, config = add_mask_row(params, config, tokenizer_size, recorded.get("mask_token_id"))
+    reserved = reserved_token_id(source.tokenizer)
+    params, config = add_mask_row(params, config, tokenizer_size, recorded.get("mask_token_id"), reserved)
     params, config = pad_vocab(params, config, recorded.get("output_vocab_size"))
     if recorded.get("draft_skip"):
         config = config.replace(draft_skip=tuple(recorded["draft_skip"]), draft_gamma=recorded.get("draft_gamma", config.draft_gamma))
@@ -100,7 +102,7 @@ def convert(src: str | Path, out: str | Path, dtype: str = "float32", progress: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="convert_hf",
-        description="Convert a Hugging Face model directory or a llama GGUF file into an s3d_jax model directory.",
+        description="Convert a Hugging Face model directory or a GGUF file into an s3d_jax model directory.",
     )
     parser.add_argument("src", help="HF model directory (config.json + safetensors/pytorch_model.bin) or a .gguf file")
     parser.add_argument("out", help="output directory")

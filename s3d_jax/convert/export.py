@@ -9,11 +9,19 @@ from pathlib import Path
 from safetensors.numpy import save_file
 
 from s3d_jax.checkpoint import Model, atomic_dir
-from s3d_jax.config import ModelConfig
+from s3d_jax.config import ModelConfig, RopeScaling
 from s3d_jax.convert.layout import params_to_hf
 from s3d_jax.convert.mask_row import hf_vocab_rows, unpad_vocab
 
-HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
+HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
 
 
 def export_hf(model: Model, out: str | Path, overwrite: bool = False) -> Path:
@@ -32,6 +40,7 @@ def export_hf(model: Model, out: str | Path, overwrite: bool = False) -> Path:
 
 
 def config_to_hf(config: ModelConfig) -> dict:
+    """transformers' `config.json` for `config`, in transformers 5's layout; `ModelConfig.from_hf` reads it back."""
     hf = {
         "architectures": [HF_CLASSES[config.architecture]],
         "model_type": config.architecture,
@@ -42,8 +51,8 @@ def config_to_hf(config: ModelConfig) -> dict:
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "hidden_act": config.hidden_act,
+        "rope_parameters": _rope_parameters(config.rope_theta, config.rope_scaling),
         "rms_norm_eps": config.rms_norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
         "max_position_embeddings": config.max_position_embeddings,
@@ -57,4 +66,37 @@ def config_to_hf(config: ModelConfig) -> dict:
         hf["s3d"].update(draft_skip=list(config.draft_skip), draft_gamma=config.draft_gamma)
     if config.architecture != "llama":
         hf["sliding_window"] = config.sliding_window
+    if config.architecture in ("qwen2", "qwen3", "gemma2", "gemma3_text"):  # these read per-layer types
+        hf["layer_types"] = ["sliding_attention" if config.is_sliding(i) else "full_attention" for i in config.all_layers]
+    if config.architecture in ("qwen2", "qwen3"):
+        hf["use_sliding_window"] = config.sliding_window is not None
+    if config.architecture in ("gemma2", "gemma3_text"):
+        hf.update(
+            hidden_activation=config.hidden_act,
+            query_pre_attn_scalar=_int_if_whole(config.query_pre_attn_scalar),  # transformers wants an int
+            attn_logit_softcapping=config.attn_softcap,
+            final_logit_softcapping=config.final_softcap,
+        )
+    if config.architecture == "gemma3_text":
+        hf["rope_parameters"] = {
+            "full_attention": _rope_parameters(config.rope_theta, config.rope_scaling),
+            "sliding_attention": _rope_parameters(config.local_rope_theta or config.rope_theta, None),
+        }
     return hf
+
+
+def _rope_parameters(theta: float, scaling: RopeScaling | None) -> dict:
+    params = {"rope_type": "default", "rope_theta": theta}
+    if scaling is not None:
+        params.update(rope_type=scaling.rope_type, factor=scaling.factor)
+        if scaling.rope_type == "llama3":
+            params.update(
+                low_freq_factor=scaling.low_freq_factor,
+                high_freq_factor=scaling.high_freq_factor,
+                original_max_position_embeddings=scaling.original_max_position_embeddings,
+            )
+    return params
+
+
+def _int_if_whole(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x

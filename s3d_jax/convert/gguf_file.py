@@ -1,5 +1,17 @@
-"""llama.cpp's GGUF files (llama architecture), read into an `HFSource`: the metadata becomes an
-HF-style config, the tensor names HF names, and q/k rows go back to HF's rotate-half order."""
+"""llama.cpp's GGUF files (architectures llama, qwen2, qwen3, gemma2, gemma3), read into an `HFSource`:
+the metadata becomes an HF-style config, the tensor names HF names, and the weights HF's layout.
+
+What llama.cpp's `convert_hf_to_gguf.py` changed, undone here (transformers' own GGUF loader,
+`modeling_gguf_pytorch_utils.py`, undoes the same):
+  - llama: q/k rows interleaved for its RoPE layout, put back in rotate-half order. Qwen and
+    Gemma use the rotate-half ("NEOX") layout in llama.cpp too, so their rows are unchanged;
+  - Gemma: every `*norm.weight` stored as 1 + w: the 1 is taken off again. The embedding is stored
+    unscaled, as in transformers, and rows past the tokenizer are cut, so the vocabulary has no padding.
+What GGUF metadata may lack, llama.cpp's `llama-model.cpp` fixes per architecture, and so does this
+reader: Gemma-2 alternates sliding-window and global layers (the first slides); Gemma-3 has five
+sliding layers per global one, and a local RoPE base of 10000; both scale attention scores by
+head_dim**-0.5, except the 27B models (46 and 62 layers), which use (hidden / heads)**-0.5.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +25,9 @@ from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import ConfigError
 from s3d_jax.convert.readers import HFSource, LazyTensors
 
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 GGUF_NAMES = {  # GGUF tensor name -> HF tensor name; {i} is the layer.
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -22,10 +37,21 @@ GGUF_NAMES = {  # GGUF tensor name -> HF tensor name; {i} is the layer.
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+GEMMA_NAMES = {  # Gemma's four norms per layer; its ffn_norm is the MLP's input norm.
+    **GGUF_NAMES,
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
 }
 
 
@@ -42,28 +68,34 @@ def read_gguf(path: Path) -> HFSource:
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
-    if arch != "llama":
-        raise ConfigError(f"unsupported GGUF architecture {arch!r} in {path}: only 'llama' GGUF files are supported")
-    if field("llama.expert_count", 0):
-        raise ConfigError(f"unsupported GGUF {path}: mixture-of-experts (llama.expert_count) is not implemented")
+    if arch not in MODEL_TYPES:
+        raise ConfigError(f"unsupported GGUF architecture {arch!r} in {path}: supported are {', '.join(MODEL_TYPES)}")
+    if field(f"{arch}.expert_count", 0):
+        raise ConfigError(f"unsupported GGUF {path}: mixture-of-experts ({arch}.expert_count) is not implemented")
     tokens = field("tokenizer.ggml.tokens")
     names = {t.name: t for t in reader.tensors}
-    hidden, heads = field("llama.embedding_length"), field("llama.attention.head_count")
-    head_dim = field("llama.attention.key_length") or hidden // heads
-    kv_heads = field("llama.attention.head_count_kv") or heads
+    if "rope_freqs.weight" in names:
+        raise ConfigError(
+            f"unsupported GGUF {path}: rope_freqs.weight (Llama-3.1-style RoPE scaling as per-frequency factors) "
+            "is not supported; convert the Hugging Face checkpoint instead"
+        )
+    hidden, heads, layers = field(f"{arch}.embedding_length"), field(f"{arch}.attention.head_count"), field(f"{arch}.block_count")
+    head_dim = field(f"{arch}.attention.key_length") or hidden // heads
+    kv_heads = field(f"{arch}.attention.head_count_kv") or heads
+    gemma = arch.startswith("gemma")
     config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": len(tokens) if tokens else field("llama.vocab_size"),
+        "model_type": MODEL_TYPES[arch],
+        "architectures": [HF_CLASSES[arch]],
+        "vocab_size": len(tokens) if tokens else field(f"{arch}.vocab_size"),
         "hidden_size": hidden,
-        "intermediate_size": field("llama.feed_forward_length"),
-        "num_hidden_layers": field("llama.block_count"),
+        "intermediate_size": field(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rope_theta": float(field("llama.rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "max_position_embeddings": int(field("llama.context_length", 4096)),
+        "rope_theta": float(field(f"{arch}.rope.freq_base", 1e6 if arch == "gemma3" else 10000.0)),
+        "rms_norm_eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6 if arch != "llama" else 1e-5)),
+        "max_position_embeddings": int(field(f"{arch}.context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
         "bos_token_id": field("tokenizer.ggml.bos_token_id"),
@@ -71,17 +103,32 @@ def read_gguf(path: Path) -> HFSource:
             dict.fromkeys(i for i in (field("tokenizer.ggml.eos_token_id"), field("tokenizer.ggml.eot_token_id")) if i is not None)
         ),
     }
-    scaling = field("llama.rope.scaling.type")
+    scaling = field(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
-        config["rope_scaling"] = {"rope_type": scaling}
-    rope_dim = field("llama.rope.dimension_count")
+        config["rope_scaling"] = {"rope_type": scaling, "factor": field(f"{arch}.rope.scaling.factor")}
+    rope_dim = field(f"{arch}.rope.dimension_count")
     if rope_dim and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
+    if gemma:
+        big = layers == (46 if arch == "gemma2" else 62)  # the 27B models
+        # Newer files may state the layer pattern: a period, or per layer True for a sliding window.
+        pattern = field(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+        sliding = list(pattern) if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(layers)]
+        config.update(
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=hidden // heads if big else head_dim,
+            sliding_window=int(field(f"{arch}.attention.sliding_window", 4096)),
+            layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+            attn_logit_softcapping=field(f"{arch}.attn_logit_softcapping", 50.0 if arch == "gemma2" else None),
+            final_logit_softcapping=field(f"{arch}.final_logit_softcapping", 30.0 if arch == "gemma2" else None),
+        )
+        if arch == "gemma3":
+            config["rope_local_base_freq"] = float(field(f"{arch}.rope.freq_base_swa", 10000.0))
     for key, value in config.items():
-        if value is None and key != "bos_token_id":
+        if value is None and key not in ("bos_token_id", "attn_logit_softcapping", "final_logit_softcapping"):
             raise CheckpointError(f"{path} lacks the metadata for {key}")
 
-    hf_names = {hf_name(n): n for n in names}
+    hf_names = {hf_name(n, arch): n for n in names}
 
     def load(name: str) -> np.ndarray:
         t = names[hf_names[name]]
@@ -89,20 +136,23 @@ def read_gguf(path: Path) -> HFSource:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise CheckpointError(f"cannot dequantize {t.name} ({t.tensor_type.name}) in {path}: {e}") from None
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             w = unpermute_rows(w, heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             w = unpermute_rows(w, kv_heads)
+        elif gemma and name.endswith("norm.weight"):
+            w = w - np.asarray(1, w.dtype)
         return w
 
     return HFSource(config, LazyTensors(list(hf_names), load), _tokenizer(path), path)
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     """The HF name of a GGUF tensor; unknown names pass through (and are refused later)."""
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
     key, i = (f"blk.{{i}}.{m.group(2)}", m.group(1)) if m else (name, None)
-    return GGUF_NAMES[key].format(i=i) if key in GGUF_NAMES else name
+    table = GEMMA_NAMES if arch.startswith("gemma") else GGUF_NAMES
+    return table[key].format(i=i) if key in table else name
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -3,7 +3,12 @@
 Each rule names an HF tensor (torch layout, `{i}` for the layer) and the params it holds in this
 project's tree. `params_from_hf` reads the table forwards and `params_to_hf` backwards, so import
 and export cannot disagree. Phi-3 fuses q, k, v into one tensor and gate, up into another: a rule
-with several params splits the HF rows among them, in order.
+with several params splits the HF rows among them, in order. A rule's `when` names the configs whose
+checkpoints hold its tensor: Qwen2's biases, the q/k norms of Qwen3 and Gemma-3, and Gemma's four
+norms per layer, where `post_attention_layernorm` is the attention output's norm and not, as in
+LLaMA, the MLP's input norm. Gemma's norm weights are stored as they are and the model adds the 1
+(`ModelConfig.norm_plus_one`): folding it into the scale would round small weights away in bfloat16,
+and taking it off again at export is not exact for every float32 scale (those below 0.5).
 """
 
 from __future__ import annotations
@@ -57,6 +62,13 @@ OUTPUT = Reshape(  # [D, H*E] <-> [H, E, D]
     lambda w, c: w.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
     lambda a, c: a.reshape(-1, c.hidden_size).T,
 )
+QUERY_BIAS = Reshape(  # [H*E] <-> [H, E]
+    lambda c: (c.num_heads * c.head_dim,), lambda b, c: b.reshape(c.num_heads, c.head_dim), lambda a, c: a.reshape(-1)
+)
+KEY_VALUE_BIAS = Reshape(  # [K*E] <-> [K, E]
+    lambda c: (c.num_kv_heads * c.head_dim,), lambda b, c: b.reshape(c.num_kv_heads, c.head_dim), lambda a, c: a.reshape(-1)
+)
+HEAD_NORM = Reshape(lambda c: (c.head_dim,), _same, _same)  # [E] q/k norm scales
 FFN_IN = _transposed(lambda c: (c.intermediate_size, c.hidden_size))  # [F, D] <-> [D, F]
 FFN_OUT = _transposed(lambda c: (c.hidden_size, c.intermediate_size))  # [D, F] <-> [F, D]
 
@@ -66,6 +78,7 @@ class Rule:
     hf_name: str  # `{i}` stands for the layer index
     params: tuple[tuple[str, Reshape], ...]  # our `/`-separated param paths; several split the HF rows in order
     fused: bool | None = None  # export only: True in Phi-3's fused layout, False in the separate one, None in both
+    when: Callable[[ModelConfig], bool] = lambda c: True  # the configs whose checkpoints hold this tensor
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -90,13 +103,38 @@ class Rule:
         return np.concatenate([reshape.to_hf(a, c) for (_, reshape), a in zip(self.params, arrays, strict=True)])
 
 
+def _post_norms(c: ModelConfig) -> bool:
+    return c.post_norms
+
+
+def _pre_norms_only(c: ModelConfig) -> bool:
+    return not c.post_norms
+
+
+def _qkv_bias(c: ModelConfig) -> bool:
+    return c.qkv_bias
+
+
+def _qk_norm(c: ModelConfig) -> bool:
+    return c.qk_norm
+
+
 _LAYER, _OURS = "model.layers.{i}.", "layer_{i}/"
 RULES = (
     Rule("model.embed_tokens.weight", (("embed", VOCAB_TABLE),)),
     Rule("lm_head.weight", (("lm_head", VOCAB_TABLE),)),
     Rule("model.norm.weight", (("final_norm/scale", NORM),)),
     Rule(_LAYER + "input_layernorm.weight", ((_OURS + "attn_norm/scale", NORM),)),
-    Rule(_LAYER + "post_attention_layernorm.weight", ((_OURS + "mlp_norm/scale", NORM),)),
+    Rule(_LAYER + "post_attention_layernorm.weight", ((_OURS + "mlp_norm/scale", NORM),), when=_pre_norms_only),
+    # Gemma: a norm after attention, one before the MLP and one after it.
+    Rule(_LAYER + "post_attention_layernorm.weight", ((_OURS + "attn_post_norm/scale", NORM),), when=_post_norms),
+    Rule(_LAYER + "pre_feedforward_layernorm.weight", ((_OURS + "mlp_norm/scale", NORM),), when=_post_norms),
+    Rule(_LAYER + "post_feedforward_layernorm.weight", ((_OURS + "mlp_post_norm/scale", NORM),), when=_post_norms),
+    Rule(_LAYER + "self_attn.q_proj.bias", ((_OURS + "attn/q_bias", QUERY_BIAS),), when=_qkv_bias),
+    Rule(_LAYER + "self_attn.k_proj.bias", ((_OURS + "attn/k_bias", KEY_VALUE_BIAS),), when=_qkv_bias),
+    Rule(_LAYER + "self_attn.v_proj.bias", ((_OURS + "attn/v_bias", KEY_VALUE_BIAS),), when=_qkv_bias),
+    Rule(_LAYER + "self_attn.q_norm.weight", ((_OURS + "attn/q_norm/scale", HEAD_NORM),), when=_qk_norm),
+    Rule(_LAYER + "self_attn.k_norm.weight", ((_OURS + "attn/k_norm/scale", HEAD_NORM),), when=_qk_norm),
     Rule(_LAYER + "self_attn.q_proj.weight", ((_OURS + "attn/q", QUERY),), fused=False),
     Rule(_LAYER + "self_attn.k_proj.weight", ((_OURS + "attn/k", KEY_VALUE),), fused=False),
     Rule(_LAYER + "self_attn.v_proj.weight", ((_OURS + "attn/v", KEY_VALUE),), fused=False),
@@ -124,7 +162,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, progr
     for name in tqdm(list(tensors), desc="converting", unit="tensor", disable=not progress):
         if any(p.fullmatch(name) for p in IGNORED) or (name == "lm_head.weight" and config.tie_embeddings):
             continue
-        found = _match(name)
+        found = _match(name, config)
         if found is None:
             raise CheckpointError(f"unexpected tensor {name}: no {config.architecture} weight has this name")
         rule, layer = found
@@ -144,7 +182,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, progr
         del w
     missing = [t for t in expected if t not in flat]
     if missing:
-        raise CheckpointError(f"missing weight {_hf_names_for(missing[0])} (needed for {missing[0]})")
+        raise CheckpointError(f"missing weight {_hf_names_for(missing[0], config)} (needed for {missing[0]})")
     return unflatten_dict(flat, sep="/")
 
 
@@ -155,7 +193,7 @@ def params_to_hf(params, config: ModelConfig) -> dict[str, np.ndarray]:
     fused = config.architecture in FUSED_ARCHITECTURES
     out = {}
     for rule in RULES:
-        if rule.fused is not None and rule.fused != fused:
+        if (rule.fused is not None and rule.fused != fused) or not rule.when(config):
             continue
         for i in range(config.num_layers) if "{i}" in rule.hf_name else [None]:
             paths = [t.format(i=i) for t in rule.targets]
@@ -165,16 +203,16 @@ def params_to_hf(params, config: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def _match(name: str) -> tuple[Rule, str | None] | None:
+def _match(name: str, config: ModelConfig) -> tuple[Rule, str | None] | None:
     for rule in RULES:
-        m = rule.regex.fullmatch(name)
+        m = rule.regex.fullmatch(name) if rule.when(config) else None
         if m:
             return rule, (m.group(1) if m.groups() else None)
     return None
 
 
-def _hf_names_for(target: str) -> str:
+def _hf_names_for(target: str, config: ModelConfig) -> str:
     m = re.fullmatch(r"layer_(\d+)/.*", target)
     i = m.group(1) if m else None
     generic = re.sub(r"layer_\d+/", _OURS, target)
-    return " or ".join(r.hf_name.format(i=i) for r in RULES if generic in r.targets)
+    return " or ".join(r.hf_name.format(i=i) for r in RULES if generic in r.targets and r.when(config))

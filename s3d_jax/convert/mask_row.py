@@ -1,6 +1,7 @@
-"""The vocabulary's extra rows (docs/design.md): S3D's mask token needs an embedding row — a padded,
-unused row when the vocabulary has one (Phi-3), else a new row — and the vocabulary is padded to a
-multiple of 128 rows, a shape the head's matmul handles well. Padding rows are zero and never produced.
+"""The vocabulary's extra rows (docs/design.md). S3D's mask token needs an embedding row: a padded,
+unused row when the vocabulary has one (Phi-3, Qwen), else a reserved token's row (Gemma's `<unused0>`,
+Llama-3's `<|reserved_special_token_0|>`), else a new row. Then the vocabulary is padded to a multiple
+of 128 rows, a shape the head's matmul handles well; padding rows are zero and never produced.
 Our vocabulary tables are `[D, V]`: a row of the vocabulary is a column here."""
 
 from __future__ import annotations
@@ -12,14 +13,18 @@ from s3d_jax.config import ModelConfig
 
 PAD_MULTIPLE = 128
 VOCAB_TABLES = ("embed", "lm_head")
+RESERVED_TOKENS = ("<unused0>", "<|reserved_special_token_0|>")  # tokens the models never produce
 
 
-def mask_row_plan(vocab_size: int, tokenizer_size: int | None, recorded: int | None = None) -> tuple[int, bool]:
+def mask_row_plan(
+    vocab_size: int, tokenizer_size: int | None, recorded: int | None = None, reserved: int | None = None
+) -> tuple[int, bool]:
     """(mask token id, whether a row must be appended).
 
     A directory this project exported records its mask id. A vocabulary padded past the tokenizer
-    (Phi-3: 32064 rows, 32011 tokens) has unused rows: the last one becomes the mask. Otherwise
-    the mask is a new row at index `vocab_size`.
+    (Phi-3: 32064 rows, 32011 tokens) has unused rows: the last one becomes the mask. Else a
+    `reserved` token the tokenizer has (see `reserved_token_id`) gives its row. Otherwise the mask
+    is a new row at index `vocab_size`.
     """
     if recorded is not None:
         if not 0 <= recorded < vocab_size:
@@ -27,13 +32,17 @@ def mask_row_plan(vocab_size: int, tokenizer_size: int | None, recorded: int | N
         return recorded, False
     if tokenizer_size is not None and tokenizer_size < vocab_size:
         return vocab_size - 1, False
+    if reserved is not None and 0 <= reserved < vocab_size:
+        return reserved, False
     return vocab_size, True
 
 
-def add_mask_row(params: dict, config: ModelConfig, tokenizer_size: int | None, recorded: int | None = None) -> tuple[dict, ModelConfig]:
-    """Reserves or appends the mask token's row and records its id in the config.
+def add_mask_row(
+    params: dict, config: ModelConfig, tokenizer_size: int | None, recorded: int | None = None, reserved: int | None = None
+) -> tuple[dict, ModelConfig]:
+    """Reserves or appends the mask token's embedding row and records its id in the config.
     A new row is the mean embedding, with a zero logit column when the head is untied."""
-    mask_id, append = mask_row_plan(config.vocab_size, tokenizer_size, recorded)
+    mask_id, append = mask_row_plan(config.vocab_size, tokenizer_size, recorded, reserved)
     if append:
         embed = params["embed"]
         mean = embed.astype(np.float32).mean(axis=1, keepdims=True).astype(embed.dtype)
@@ -68,3 +77,11 @@ def unpad_vocab(params: dict, config: ModelConfig) -> tuple[dict, ModelConfig]:
 
 def _pad(table_DV: np.ndarray, columns: int) -> np.ndarray:
     return np.concatenate([table_DV, np.zeros((table_DV.shape[0], columns), table_DV.dtype)], axis=1)
+
+
+def reserved_token_id(tokenizer) -> int | None:
+    """The id of the first of `RESERVED_TOKENS` the tokenizer has, if any."""
+    if tokenizer is None:
+        return None
+    vocab = tokenizer.get_vocab()
+    return next((vocab[t] for t in RESERVED_TOKENS if t in vocab), None)

@@ -13,7 +13,7 @@ import ml_collections
 
 from s3d_jax.config import DTYPES, ConfigError, ModelConfig, validate_skip
 from s3d_jax.data import LOSS_ON
-from s3d_jax.objective import LOSS_POSITIONS, MASKINGS, Objective
+from s3d_jax.objective import LOSS_POSITIONS, MASKINGS, TARGETS, Objective
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -35,6 +35,10 @@ def default_config() -> ml_collections.ConfigDict:
         # drafter reads but does not produce, and skipping their backward pass roughly halves the cost.
         target_grad=False,
         lm_loss_weight=0.0, kl_weight=0.0,  # optional terms that preserve the verifier
+        # What the draft learns: "data" (the next token), or the verifier's own prediction there:
+        # "verifier_argmax", "verifier_kl" (at target_temperature, over its target_top_k best tokens; 0: all),
+        # "verifier_tv" (total variation). Greedy verification accepts exactly the verifier's argmax.
+        target="data", target_temperature=1.0, target_top_k=0,
         lora_rank=0,  # > 0: train draft-only LoRA adapters; the verifier stays bit-identical
         train_head=False,  # also train the final norm and LM head (changes the verifier's outputs)
     ))
@@ -88,6 +92,9 @@ def objective_from(cfg: ml_collections.ConfigDict, num_layers: int) -> Objective
         target_grad=s.target_grad,
         lm_loss_weight=s.lm_loss_weight,
         kl_weight=s.kl_weight,
+        target=s.target,
+        target_temperature=s.target_temperature,
+        target_top_k=s.target_top_k,
     )
 
 
@@ -126,7 +133,8 @@ FIELD_RULES = {
     "s3d.skip": _SKIP, "s3d.gamma": _int_at_least(1), "s3d.masking": _one_of(*MASKINGS),
     "s3d.mask_prob": _number(0, 1, above=True, below=True), "s3d.loss_positions": _one_of(*LOSS_POSITIONS),
     "s3d.target_grad": _BOOL, "s3d.lm_loss_weight": _number(0), "s3d.kl_weight": _number(0), "s3d.lora_rank": _int_at_least(0),
-    "s3d.train_head": _BOOL,
+    "s3d.train_head": _BOOL, "s3d.target": _one_of(*TARGETS), "s3d.target_temperature": _number(0, above=True),
+    "s3d.target_top_k": _int_at_least(0),
     "data.path": _STR, "data.max_len": _int_at_least(2), "data.pack": _BOOL, "data.loss_on": _one_of(*LOSS_ON),
     "data.eval_fraction": _number(0, 1, below=True), "data.eval_batches": _int_at_least(1), "data.max_conversations": _int_at_least(0),
     "train.steps": _int_at_least(1), "train.batch_size": _int_at_least(1), "train.grad_accum": _int_at_least(1),
@@ -179,7 +187,7 @@ def unknown_field(dotted: str) -> str | None:
 # data stream (which rows, in which order, how many per step). The model config is recorded too.
 RESUME_FIELDS = (
     "s3d.skip", "s3d.gamma", "s3d.masking", "s3d.mask_prob", "s3d.loss_positions", "s3d.target_grad", "s3d.lm_loss_weight",
-    "s3d.kl_weight", "s3d.lora_rank", "s3d.train_head",
+    "s3d.kl_weight", "s3d.lora_rank", "s3d.train_head", "s3d.target", "s3d.target_temperature", "s3d.target_top_k",
     "data.path", "data.max_len", "data.pack", "data.loss_on", "data.eval_fraction", "data.max_conversations", "train.seed",
 )
 ROWS_PER_STEP = "train.batch_size x train.grad_accum"
