@@ -125,15 +125,15 @@ def render(jax_result: dict, hf_result: dict | None, args, llama_cpp: dict | Non
         depth = " ".join(f"{a:.2f}" for a in row["acceptance_per_depth"]) or "-"
         lines.append(f"| s3d_jax {name} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / base:.2f}x | "
                      f"{row['tokens_per_iteration']:.2f} | {depth} | {jax_result['peak_rss_mib']:.0f} |")
+    for name, row in (llama_cpp or {}).items():
+        lines.append(f"| llama.cpp {row['version']} {name} (GGUF as shipped) | {row['tokens_per_s']:.1f} | "
+                     f"{row['tokens_per_s'] / base:.2f}x | - | - | {row['peak_rss_mib']:.0f} |")
     if hf_result:
         lines.append(f"| transformers {hf_result['torch']} generate (greedy) | {hf_result['tokens_per_s']:.1f} | "
                      f"{hf_result['tokens_per_s'] / base:.2f}x | 1.00 | - | {hf_result['peak_rss_mib']:.0f} |")
         lines.append("")
         lines.append(f"s3d_jax plain greedy / transformers greedy: **{base / hf_result['tokens_per_s']:.2f}x** tokens/s, "
                      f"{jax_result['peak_rss_mib'] / hf_result['peak_rss_mib']:.2f}x peak memory.")
-    for name, row in (llama_cpp or {}).items():
-        lines.append(f"| llama.cpp {row['version']} {name} (GGUF as shipped) | {row['tokens_per_s']:.1f} | "
-                     f"{row['tokens_per_s'] / base:.2f}x | - | - | {row['peak_rss_mib']:.0f} |")
     lines += ["", f"Pass cost at a context of {args.context} tokens (ms per pass, {args.repeats} passes in one jitted loop). "
               f"The floor is the bytes a pass must read (weights, head, cached keys and values) over the streaming bandwidth, "
               f"{jax_result['bandwidth_gb_s']:.1f} GB/s by a probe in the same run:", "",
