@@ -70,7 +70,8 @@ def test_bench_smoke_on_a_tiny_model(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [(["--suite", "gsm8k"], "unknown suite"), (["--methods", "medusa"], "unknown method"),
-                                          (["--limit", "0"], "--limit must be at least 1")])
+                                          (["--limit", "0"], "--limit must be at least 1"),
+                                          (["--gamma", "0"], "gamma must be >= 1, got 0")])
 def test_bench_bad_input(args, message):
     result = subprocess.run([sys.executable, "-m", "s3d_jax.bench", *args], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr
