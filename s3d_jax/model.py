@@ -326,7 +326,11 @@ def lm_logits(params, config: ModelConfig, hidden_BTD):
 def head_logits(params, config: ModelConfig, hidden_BTD):
     """Float32 logits with the mask token's and the padding rows' forced to -inf: drafts and outputs
     never produce them."""
-    logits = lm_logits(params, config, hidden_BTD)
+    return never_produced(lm_logits(params, config, hidden_BTD), config)
+
+
+def never_produced(logits, config: ModelConfig):
+    """`lm_logits` with the mask token's and the padding rows' logits forced to -inf."""
     if config.output_vocab_size is not None:
         logits = logits.at[..., config.output_vocab_size :].set(NEG_INF)
     return logits if config.mask_token_id is None else logits.at[..., config.mask_token_id].set(NEG_INF)

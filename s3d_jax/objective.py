@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from s3d_jax.config import ModelConfig
-from s3d_jax.model import NEG_INF, full_pass, head_logits, lm_logits, run_layers
+from s3d_jax.model import NEG_INF, full_pass, head_logits, lm_logits, never_produced, run_layers
 
 MASKINGS = ("span", "iid")
 LOSS_POSITIONS = ("anchors", "unmasked")
@@ -163,10 +163,13 @@ def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Object
     logits, anchor = draft_pass(params, config, objective, batch, masked, target_kvs)
 
     targets, valid = next_token_targets(batch)
-    # The verifier's prediction at p is the label greedy verification checks a draft against.
-    verifier_logits = None
+    # The full model's logits, computed once for the verifier's labels and the verifier-preserving terms.
+    full_logits = None
+    if objective.uses_verifier or report_verifier or objective.lm_loss_weight or objective.kl_weight:
+        full_logits = lm_logits(params, config, full_hidden)
+    verifier_logits = None  # the verifier's prediction at p: what greedy verification checks a draft against
     if objective.uses_verifier or report_verifier:
-        verifier_logits = jax.lax.stop_gradient(head_logits(params, config, full_hidden))
+        verifier_logits = jax.lax.stop_gradient(never_produced(full_logits, config))
     labels = targets if verifier_logits is None else jnp.argmax(verifier_logits, -1)
     next_masked = jnp.pad(masked[:, 1:], ((0, 0), (0, 1)))
     every_unmasked = objective.masking == "span" or objective.loss_positions == "unmasked"
@@ -193,7 +196,6 @@ def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Object
         "anchors": (is_anchor & selected).sum(),
     }
     if objective.lm_loss_weight or objective.kl_weight or report_verifier:
-        full_logits = lm_logits(params, config, full_hidden)
         n_valid = jnp.maximum(valid.sum(), 1)
         metrics["lm_targets"] = valid.sum()
         if objective.lm_loss_weight or report_verifier:
