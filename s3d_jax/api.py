@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from s3d_jax import bundled, checkpoint, decoding
+from s3d_jax import drafter as drafter_lib
 from s3d_jax.checkpoint import Model
 from s3d_jax.config import ConfigError, ModelConfig, validate_skip
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
@@ -22,10 +23,28 @@ from s3d_jax.options import DEFAULT_GAMMA, DecodeOptions, check_int, default_ski
 from s3d_jax.sampling import Sampling
 from s3d_jax.speculative import Plan
 
+BUNDLED_DRAFTER = "bundled"
 
-def load(path: str | os.PathLike | None = None, dtype: str | None = None) -> Model:
-    """Loads a converted model; with no path, the bundled SmolLM2-135M-Instruct (converted on first use)."""
-    return bundled.load(dtype) if path is None else checkpoint.load(path, dtype)
+
+def load(
+    path: str | os.PathLike | None = None,
+    dtype: str | None = None,
+    drafter: str | os.PathLike | None = BUNDLED_DRAFTER,
+    draft_vocab_size: int | None = None,
+) -> Model:
+    """Loads a converted model; with no path, the bundled SmolLM2-135M-Instruct (converted on first use).
+
+    `drafter` is a drafter file to apply (see `s3d_jax.drafter`), or None for the bare model. Its default
+    applies the drafter shipped for the bundled model, and nothing to a model loaded from a path.
+    `draft_vocab_size` overrides the drafter's reduced draft head: N most frequent tokens, 0 for all."""
+    if drafter is not None and not isinstance(drafter, (str, os.PathLike)):
+        raise TypeError(f"drafter must be a path to a drafter file or None, got {type(drafter).__name__}")
+    if drafter == BUNDLED_DRAFTER:
+        drafter = bundled.DRAFTER if path is None and bundled.DRAFTER.is_file() else None
+    if drafter is None and draft_vocab_size:
+        raise ValueError("draft_vocab_size needs a drafter, whose token ranking it reads")
+    model = bundled.load(dtype) if path is None else checkpoint.load(path, dtype)
+    return model if drafter is None else drafter_lib.apply(model, drafter, draft_vocab_size)
 
 
 def token_array(token_ids, config: ModelConfig) -> np.ndarray:
@@ -219,7 +238,11 @@ def plan_for(config: ModelConfig, options: DecodeOptions) -> Plan:
             "this checkpoint has no mask token row (mask_token_id is unset): S3D drafting needs one; "
             "convert it again with tools/convert_hf.py"
         )
-    return Plan.make(config, options.method, gamma, skip, sampling)
+    tree = options.tree or 0
+    draftable = config.draft_vocab_size or (config.output_vocab_size or config.vocab_size) - (config.mask_token_id is not None)
+    if tree > draftable:
+        raise ValueError(f"tree {tree} has more nodes than the {draftable} tokens the draft can propose at each depth")
+    return Plan.make(config, options.method, gamma, skip, sampling, tree)
 
 
 def prepare(
@@ -244,7 +267,7 @@ def prepare(
     ids, batched = _encode(model, prompt, options.chat)
     lengths = np.array([len(row) for row in ids])
     padded_len = bucket(int(lengths.max()))
-    needed = int(lengths.max()) + max_new_tokens + plan.gamma
+    needed = int(lengths.max()) + max_new_tokens + plan.block
     limit = cfg.max_position_embeddings
     max_len = options.max_len
     if max_len is not None and max_len > limit:
@@ -253,7 +276,8 @@ def prepare(
         max_len = min(bucket(max(needed, padded_len), minimum=128), max(limit, needed))
     if needed > max_len or needed > limit:
         raise ValueError(
-            f"prompt of {int(lengths.max())} tokens + max_new_tokens {max_new_tokens} + gamma {plan.gamma} (the draft block) "
+            f"prompt of {int(lengths.max())} tokens + max_new_tokens {max_new_tokens} + "
+            f"{f'tree {plan.tree}' if plan.tree > plan.gamma else f'gamma {plan.gamma}'} (the draft block) "
             f"= {needed} does not fit the cache of {min(max_len, limit)} positions"
         )
     max_len = max(max_len, padded_len)

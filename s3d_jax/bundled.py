@@ -13,6 +13,8 @@ from s3d_jax.checkpoint import CheckpointError, Model
 from s3d_jax.convert import convert
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The drafter trained for it (docs/design.md, "The drafter file"), applied by default.
+DRAFTER = Path(__file__).parent / "drafters" / "SmolLM2-135M-Instruct.safetensors"
 
 
 def gguf_path() -> Path:

@@ -61,18 +61,22 @@ def attention_masks(lengths_B, block_len: int, max_len: int):
     return context_BTS, jnp.broadcast_to(causal_mask(block_len), (B, block_len, block_len))
 
 
-def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], write: bool, draft: bool = False):
+def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], write: bool, draft: bool = False,
+                   positions_BT=None, block_mask_BTT=None):
     """Runs `tokens` through `layers` against the cache; returns (final hidden states, cache).
 
-    With `write`, the block's keys and values are stored; `cache.lengths` never moves here:
-    the caller advances it by however many tokens it keeps.
+    The block is a causal run at positions `lengths ..` unless `positions_BT` and `block_mask_BTT` say
+    otherwise (a token tree). With `write`, the block's keys and values are stored at slots `lengths ..`;
+    `cache.lengths` never moves here: the caller advances it by however many tokens it keeps.
     """
     T = tokens_BT.shape[1]
     context_mask, block_mask = attention_masks(cache.lengths, T, cache.max_len)
+    block_mask = block_mask if block_mask_BTT is None else block_mask_BTT
+    positions_BT = cache.block_positions(T) if positions_BT is None else positions_BT
     contexts = [(cache.keys[i], cache.values[i]) for i in layers]
     context_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (tokens_BT.shape[0], cache.max_len))  # slot s holds position s
     hidden, block_kvs = run_layers(
-        params, config, tokens_BT, cache.block_positions(T), contexts, context_positions, context_mask, block_mask, layers, draft
+        params, config, tokens_BT, positions_BT, contexts, context_positions, context_mask, block_mask, layers, draft
     )
     if write:
         cache = cache.write(layers, block_kvs)

@@ -26,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from s3d_jax.config import DTYPES, ConfigError, ModelConfig
-from s3d_jax.model import abstract_params
+from s3d_jax.model import abstract_params, cast_params
 
 CONFIG_FILE = "s3d_config.json"
 PARAMS_DIR = "params"
@@ -150,7 +150,7 @@ def load(path: str | os.PathLike, dtype: str | None = None) -> Model:
         raise CheckpointError(f"cannot read the params checkpoint at {path / PARAMS_DIR}: {type(e).__name__}: {e}") from None
     if dtype is not None and dtype != config.dtype:
         config = config.replace(dtype=dtype)
-        params = jax.tree.map(lambda x: x.astype(config.jnp_dtype), params)
+        params = cast_params(params, config.jnp_dtype)
     return Model(params, config, load_tokenizer(path))
 
 

@@ -70,6 +70,9 @@ class ModelConfig:
     draft_skip: tuple[int, int] | None = None
     draft_gamma: int | None = None
     draft_lora_rank: int = 0  # > 0: draft passes add LoRA adapters; the verifier never does
+    # > 0: draft passes score only this many tokens (the drafter's most frequent ones, FR-Spec),
+    # through the `draft_vocab` ids and their `draft_head` columns; verification keeps the full head.
+    draft_vocab_size: int = 0
     # Per-family options; the defaults are LLaMA's.
     rope_scaling: RopeScaling | None = None  # of the full-attention layers (Llama-3.1, Gemma-3)
     layer_types: tuple[str, ...] | None = None  # per layer, from LAYER_TYPES; None: every layer alike (see `is_sliding`)
@@ -100,6 +103,11 @@ class ModelConfig:
                 raise ConfigError(f"config field {name} must be a positive finite number, got {getattr(self, name)!r}")
         if self.draft_lora_rank < 0:
             raise ConfigError(f"config field draft_lora_rank must be >= 0, got {self.draft_lora_rank}")
+        if not 0 <= self.draft_vocab_size <= (self.output_vocab_size or self.vocab_size):
+            raise ConfigError(
+                f"config field draft_vocab_size must be in [0, {self.output_vocab_size or self.vocab_size}] (the tokens the "
+                f"model can produce), got {self.draft_vocab_size}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from s3d_jax import tree
 from s3d_jax.cache import KVCache, prompt_forward
 from s3d_jax.config import ModelConfig
 from s3d_jax.model import head_logits
@@ -70,8 +71,14 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
     x_n = jnp.take_along_axis(state.tokens, n[:, None], axis=1)[:, 0]
     rng, draft_rng, accept_rng = jax.random.split(state.rng, 3)
     drafts, draft_logits, cache = draft(params, config, plan, state.cache, x_n, draft_rng)
-    target_logits, cache = verify(params, config, cache, x_n, drafts)
-    k, emitted = accept(accept_rng, drafts, draft_logits, target_logits, plan.sampling)
+    if plan.tree:
+        nodes = tree.build(x_n, draft_logits, plan.tree)
+        target_logits, cache = tree.verify(params, config, cache, nodes, G)
+        k, emitted, path = tree.accept(nodes, target_logits, G)
+        cache = tree.compact(cache, path, k)
+    else:
+        target_logits, cache = verify(params, config, cache, x_n, drafts)
+        k, emitted = accept(accept_rng, drafts, draft_logits, target_logits, plan.sampling)
 
     # Keep the emitted tokens up to and including the first EOS, within max_new_tokens.
     j = jnp.arange(G + 1)[None, :]
@@ -164,7 +171,9 @@ class Run:
             return
         statics = dict(config=self.config, plan=self.plan)
         args = self._prefill_args()
-        prefill_exe, prefill_seconds = compiled(_prefill_jit, *args, **statics, max_len=self.max_len)
+        # The prefill does not depend on the tree size: one prefill serves every size.
+        prefill_plan = dataclasses.replace(self.plan, tree=0)
+        prefill_exe, prefill_seconds = compiled(_prefill_jit, *args, config=self.config, plan=prefill_plan, max_len=self.max_len)
         # The loop state's shapes, read off the executable rather than traced a second time.
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prefill_exe.out_info)
         stop = jax.ShapeDtypeStruct((), jnp.int32)

@@ -1,7 +1,8 @@
 """Command line: `python -m s3d_jax.generate --prompt "..." [--chat] [--method s3d|ar|selfspec]`.
 
 Streams the continuation as the jitted loop produces it (in chunks of iterations, not per token),
-then prints the decoding statistics.
+then prints the decoding statistics. `--compare` then decodes the same prompt plainly and reports
+the speed ratio and whether the outputs are identical.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import sys
 
 from s3d_jax import compile_cache, options
-from s3d_jax.api import DecodeOutput, load, stream
+from s3d_jax.api import DecodeOutput, decode, load, stream
 
 
 def positive_int(text: str) -> int:
@@ -24,10 +25,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m s3d_jax.generate", description=__doc__.splitlines()[0])
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--model", default=None, help="converted model directory (default: bundled SmolLM2-135M-Instruct)")
+    options.add_model_arguments(p)
     options.add_arguments(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--chunk", type=positive_int, default=4, help="iterations between streamed updates")
+    p.add_argument("--compare", action="store_true", help="also decode plainly (method ar) and report the speed ratio")
     return p.parse_args(argv)
 
 
@@ -36,7 +38,7 @@ def main(argv=None) -> int:
     try:
         decode_options = options.DecodeOptions.from_args(args)  # checked before the model loads
         compile_cache.enable()
-        model = load(args.model, dtype=args.dtype)
+        model = load(**options.load_arguments(args), dtype=args.dtype)
         chunks = stream(model, args.prompt, decode_options, chunk_iterations=args.chunk)
         shown = ""
         for chunk in chunks:
@@ -50,6 +52,13 @@ def main(argv=None) -> int:
                 shown = text
         print()
         print(f"[{chunk.stats.summary()}]", file=sys.stderr)
+        if args.compare and decode_options.method != "ar":
+            plain = decode(model, args.prompt, decode_options.replace(method="ar"))
+            print(f"[{plain.stats.summary()}]", file=sys.stderr)
+            ratio = chunk.stats.tokens_per_second / plain.stats.tokens_per_second
+            same = "identical to" if chunk.tokens == plain.tokens else "DIFFERENT from"
+            exact = f"; its output is {same} plain greedy's" if decode_options.temperature == 0 else ""
+            print(f"[{decode_options.method} ran at {ratio:.2f}x plain decoding{exact}]", file=sys.stderr)
     except ValueError as e:  # ConfigError and CheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -227,6 +227,10 @@ class Transformer(nn.Module):
         self.final_norm = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one)
         if not c.tie_embeddings:
             self.lm_head = self.param("lm_head", init_normal, (c.hidden_size, c.vocab_size), c.jnp_dtype)
+        if c.draft_vocab_size:  # the reduced draft head: token ids (ascending) and a copy of their head columns
+            head_DV = self.embedding if c.tie_embeddings else self.lm_head
+            self.draft_vocab = self.param("draft_vocab", lambda _: default_draft_vocab(c))
+            self.draft_head = self.param("draft_head", lambda _: head_DV[:, self.draft_vocab])
 
     def __call__(
         self,
@@ -261,6 +265,10 @@ class Transformer(nn.Module):
         head_DV = self.embedding if self.config.tie_embeddings else self.lm_head
         return jnp.einsum("btd,dv->btv", hidden_BTD, head_DV, preferred_element_type=jnp.float32)
 
+    def reduced_logits(self, hidden_BTD):
+        """Float32 logits over the draft vocabulary only, `[B, T, draft_vocab_size]`."""
+        return jnp.einsum("btd,dn->btn", hidden_BTD, self.draft_head, preferred_element_type=jnp.float32)
+
     def full(self, tokens_BT, positions_BT, mask_BTT):
         """All layers over `tokens` with nothing before them (prompt pass, training target, `logits`)."""
         c = self.config
@@ -275,7 +283,18 @@ class Transformer(nn.Module):
     def init_all(self, tokens_BT):
         """Touches every parameter, for `init`."""
         hidden, _ = self.full(tokens_BT, *causal_inputs(tokens_BT))
-        return self.logits(hidden)
+        return self.logits(hidden), (self.reduced_logits(hidden) if self.config.draft_vocab_size else None)
+
+
+def default_draft_vocab(config: ModelConfig):
+    """The first `draft_vocab_size` producible ids (a random model's draft vocabulary; a drafter sets its own)."""
+    ids = np.arange(config.draft_vocab_size + 1)
+    return jnp.asarray(ids[ids != config.mask_token_id][: config.draft_vocab_size], jnp.int32)
+
+
+def cast_params(params, dtype):
+    """Floating-point leaves to `dtype`; the draft vocabulary's token ids stay integers."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 def causal_inputs(tokens_BT):
@@ -327,6 +346,21 @@ def head_logits(params, config: ModelConfig, hidden_BTD):
     """Float32 logits with the mask token's and the padding rows' forced to -inf: drafts and outputs
     never produce them."""
     return never_produced(lm_logits(params, config, hidden_BTD), config)
+
+
+def draft_head_logits(params, config: ModelConfig, hidden_BTD):
+    """The draft pass's logits `[B, T, V]`: `head_logits`, or with a reduced draft vocabulary its
+    scores at those ids and -inf everywhere else (so sampling and acceptance read them unchanged)."""
+    if not config.draft_vocab_size:
+        return head_logits(params, config, hidden_BTD)
+    reduced = softcap(reduced_logits(params, config, hidden_BTD), config.final_softcap)
+    full = jnp.full((*reduced.shape[:-1], config.vocab_size), NEG_INF, jnp.float32)
+    return full.at[..., params["draft_vocab"]].set(reduced)
+
+
+def reduced_logits(params, config: ModelConfig, hidden_BTD):
+    """Logits over the draft vocabulary only (not soft-capped), `[B, T, draft_vocab_size]`."""
+    return Transformer(config).apply({"params": params}, hidden_BTD, method=Transformer.reduced_logits)
 
 
 def never_produced(logits, config: ModelConfig):

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from s3d_jax.config import ModelConfig
-from s3d_jax.model import NEG_INF, full_pass, head_logits, lm_logits, never_produced, run_layers
+from s3d_jax.model import NEG_INF, full_pass, head_logits, lm_logits, never_produced, reduced_logits, run_layers
 
 MASKINGS = ("span", "iid")
 LOSS_POSITIONS = ("anchors", "unmasked")
@@ -40,6 +40,7 @@ class Objective:
     mask_prob: float = 0.15  # iid only
     loss_positions: str = "anchors"  # or every unmasked position
     target_grad: bool = False  # let gradients flow through the target keys and values
+    head_grad: bool = False  # let the loss reach the head's weights (only when the head trains)
     lm_loss_weight: float = 0.0  # the full model's own next-token loss, to preserve the verifier
     kl_weight: float = 0.0  # KL(original || current) on full-model outputs, to preserve the verifier
     target: str = "data"  # one of TARGETS
@@ -123,7 +124,19 @@ def draft_pass(params, config: ModelConfig, objective: Objective, batch: Batch, 
         params, config, draft_tokens, batch.positions, [target_kvs[i] for i in layers],
         batch.positions, context_mask, block_mask, layers, draft=True,
     )
-    return head_logits(params, config, hidden), anchor
+    return hidden, anchor
+
+
+def draft_logits_and_labels(params, config: ModelConfig, hidden_BTD, labels_BT):
+    """The draft's logits, the labels in their index space, and whether each label can be drafted at all.
+
+    With a reduced draft vocabulary the logits cover only its N tokens (the head's cost, forward and
+    backward, shrinks by V/N) and a label outside it, which the drafter can never propose, is not trained on."""
+    if not config.draft_vocab_size:
+        return head_logits(params, config, hidden_BTD), labels_BT, jnp.ones(labels_BT.shape, bool)
+    vocab = params["draft_vocab"]  # ascending
+    index = jnp.clip(jnp.searchsorted(vocab, labels_BT), 0, vocab.shape[0] - 1)
+    return reduced_logits(params, config, hidden_BTD), index, vocab[index] == labels_BT
 
 
 def next_token_targets(batch: Batch):
@@ -134,12 +147,12 @@ def next_token_targets(batch: Batch):
     return targets, same_next & in_loss & (batch.segment_ids > 0)
 
 
-def target_loss(draft_logits_BTV, data_targets_BT, verifier_logits_BTV, objective: Objective):
-    """Per-position loss `[B, T]` of the draft against what `objective.target` names."""
-    if objective.target == "data":
-        return optax.softmax_cross_entropy_with_integer_labels(draft_logits_BTV, data_targets_BT)
-    if objective.target == "verifier_argmax":
-        return optax.softmax_cross_entropy_with_integer_labels(draft_logits_BTV, jnp.argmax(verifier_logits_BTV, -1))
+def target_loss(draft_logits_BTV, labels_BT, verifier_logits_BTV, objective: Objective):
+    """Per-position loss `[B, T]` of the draft against what `objective.target` names: cross-entropy
+    against `labels` (the data's next token, or the verifier's argmax), or a distance to the verifier's
+    distribution over the same vocabulary as the draft's logits."""
+    if objective.target in ("data", "verifier_argmax"):
+        return optax.softmax_cross_entropy_with_integer_labels(draft_logits_BTV, labels_BT)
     tau = objective.target_temperature
     verifier = verifier_logits_BTV / tau
     if objective.target_top_k:
@@ -160,7 +173,7 @@ def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Object
     if not objective.target_grad:
         target_kvs = jax.lax.stop_gradient(target_kvs)
     masked = choose_masks(rng, batch.segment_ids, objective)
-    logits, anchor = draft_pass(params, config, objective, batch, masked, target_kvs)
+    draft_hidden, anchor = draft_pass(params, config, objective, batch, masked, target_kvs)
 
     targets, valid = next_token_targets(batch)
     # The full model's logits, computed once for the verifier's labels and the verifier-preserving terms.
@@ -171,16 +184,24 @@ def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Object
     if objective.uses_verifier or report_verifier:
         verifier_logits = jax.lax.stop_gradient(never_produced(full_logits, config))
     labels = targets if verifier_logits is None else jnp.argmax(verifier_logits, -1)
+    head_params = params if objective.head_grad else {**params, **jax.lax.stop_gradient(_head_tables(params))}
+    logits, label_index, draftable = draft_logits_and_labels(head_params, config, draft_hidden,
+                                                             targets if objective.target == "data" else labels)
+    if config.draft_vocab_size and verifier_logits is not None:  # the verifier's distribution over the same tokens
+        verifier_logits = jnp.take(verifier_logits, params["draft_vocab"], axis=-1)
     next_masked = jnp.pad(masked[:, 1:], ((0, 0), (0, 1)))
     every_unmasked = objective.masking == "span" or objective.loss_positions == "unmasked"
     is_anchor = ~masked & (next_masked | every_unmasked)
     selected = (masked | is_anchor) & valid
-    ce = target_loss(logits, targets, verifier_logits, objective)
-    n_selected = jnp.maximum(selected.sum(), 1)
-    draft_loss = jnp.sum(ce * selected) / n_selected
+    trained = selected & draftable
+    ce = target_loss(logits, label_index, verifier_logits, objective)
+    draft_loss = jnp.sum(jnp.where(trained, ce, 0.0)) / jnp.maximum(trained.sum(), 1)
     loss = draft_loss
 
-    correct = (jnp.argmax(logits, -1) == labels) & selected
+    predicted = jnp.argmax(logits, -1)
+    if config.draft_vocab_size:
+        predicted = params["draft_vocab"][predicted]
+    correct = (predicted == labels) & selected
     depth = jnp.arange(batch.tokens.shape[1])[None, :] - anchor
     depth_onehot = (depth[..., None] == jnp.arange(objective.max_depth)) & selected[..., None]
     # Accepted drafts per anchor: positions whose whole run from the anchor was right.
@@ -188,8 +209,9 @@ def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Object
     wrong_before_anchor = jnp.take_along_axis(jnp.pad(wrong, ((0, 0), (1, 0)))[:, :-1], anchor, axis=1)
     run_ok = selected & (wrong == wrong_before_anchor) & (depth < objective.gamma)
     metrics = {
-        "draft_loss_sum": jnp.sum(ce * selected),
-        "targets": selected.sum(),
+        "draft_loss_sum": jnp.sum(jnp.where(trained, ce, 0.0)),
+        "targets": trained.sum(),
+        "selected": selected.sum(),
         "depth_correct": jnp.sum(depth_onehot & correct[..., None], axis=(0, 1)),
         "depth_count": jnp.sum(depth_onehot, axis=(0, 1)),
         "accepted": run_ok.sum(),
@@ -211,12 +233,18 @@ def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Object
     return loss, metrics
 
 
+def _head_tables(params) -> dict:
+    """The params the heads read (the vocabulary table, and the reduced draft head's copy of it)."""
+    return {name: params[name] for name in ("embed", "lm_head", "draft_head") if name in params}
+
+
 def summarize_metrics(metrics) -> dict:
     """Pooled `loss_fn` metric sums to readable values: loss, per-depth accuracy, and the implied E."""
     m = jax.device_get(metrics)
     count = m["depth_count"]
     out = {
         "draft_loss": float(m["draft_loss_sum"] / max(m["targets"], 1)),
+        "draftable": float(m["targets"] / max(m["selected"], 1)),  # of the trained positions: below 1 with a reduced vocabulary
         "accuracy_per_depth": [float(c / n) if n else float("nan") for c, n in zip(m["depth_correct"], count, strict=True)],
         "expected_tokens_per_iteration": float(1 + m["accepted"] / max(m["anchors"], 1)),
     }

@@ -29,6 +29,7 @@ class DecodeOptions:
     chat: bool = False  # apply the model's chat template to text prompts
     eos_token_ids: tuple[int, ...] | None = None  # None: the checkpoint's and the tokenizer's
     max_len: int | None = None  # cache positions; None: the smallest bucket that fits
+    tree: int | None = None  # S3D only: verify a token tree of this many nodes; None or 0: the argmax chain
 
     def __post_init__(self):
         """Checks every field's type and range (what needs the model is checked by `api.prepare`)."""
@@ -51,6 +52,11 @@ class DecodeOptions:
         set_("top_p", check_float("top_p", self.top_p))
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        set_("tree", check_int("tree", self.tree or 0, 0))
+        if self.tree and self.method != "s3d":
+            raise ValueError(f"tree drafting builds on the S3D draft pass: it needs method 's3d', not {self.method!r}")
+        if self.tree and self.temperature:
+            raise ValueError("tree drafting is greedy-only for now: use temperature=0, or tree=0 (the chain) to sample")
         if not isinstance(self.chat, bool):
             raise TypeError(f"chat must be True or False, got {self.chat!r}")
         if self.skip is not None:
@@ -102,8 +108,25 @@ def add_arguments(parser: argparse.ArgumentParser, methods: bool = True) -> None
         parser.add_argument("--method", choices=METHODS, default="s3d")
     parser.add_argument("--gamma", type=int, default=None, help="draft tokens per iteration (default: checkpoint's, else 4)")
     parser.add_argument("--skip", type=int, nargs=2, metavar=("L", "H"), default=None, help="inclusive range of skipped layers")
+    parser.add_argument("--tree", type=int, default=None, metavar="N",
+                        help="S3D: verify a token tree of N nodes from the draft's per-depth distributions (0: the chain)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which model to load, and which drafter to apply to it: the same in every command line."""
+    parser.add_argument("--model", default=None, help="converted model directory (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", default="bundled",
+                        help="drafter file to apply, or 'none' for the bare model (default: the drafter shipped with the "
+                             "bundled model; none for --model)")
+    parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                        help="draft over the drafter's N most frequent tokens (0: the full vocabulary; default: the drafter's)")
+
+
+def load_arguments(args: argparse.Namespace) -> dict:
+    """`s3d_jax.load` keywords from `add_model_arguments` flags (plain values: a benchmark sends them to a child)."""
+    return {"path": args.model, "drafter": None if args.drafter == "none" else args.drafter, "draft_vocab_size": args.draft_vocab}

@@ -24,6 +24,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from s3d_jax import api
+from s3d_jax import drafter as drafter_lib
 from s3d_jax.bench.methods import decode_prompts
 from s3d_jax.bench.suites import load_suite
 from s3d_jax.bench.timing import verify_ms
@@ -103,9 +104,11 @@ def measure(model, questions: int, options: DecodeOptions):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m s3d_jax.predict", description=__doc__.splitlines()[0])
-    p.add_argument("--drafters", nargs="*", default=[], help="trained drafters (model dirs with a recorded skip range)")
+    p.add_argument("--drafters", nargs="*", default=[],
+                   help="trained drafters: drafter files (applied to --model) or model dirs with a recorded skip range")
     p.add_argument("--acceptance", help='json: [{"skip": [l, h], "acceptance_per_depth": [...]}, ...] instead of measuring')
-    p.add_argument("--model", default=None, help="the model whose pass costs and layer sizes to use (default: first drafter)")
+    p.add_argument("--model", default=None,
+                   help="the base model, whose pass costs and layer sizes to use (default: the bundled model, or the first drafter dir)")
     p.add_argument("--questions", type=int, default=10, help="MT-Bench questions per measurement")
     p.add_argument("--max-gamma", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -117,13 +120,15 @@ def main(argv=None) -> int:
 
     if not args.drafters and not args.acceptance:
         p.error("give --drafters to measure, or --acceptance with measured values")
-    base = api.load(args.model or (args.drafters[0] if args.drafters else None))
+    files = [d for d in args.drafters if d.endswith(drafter_lib.SUFFIX)]
+    base = api.load(args.model or (None if files or not args.drafters else args.drafters[0]), drafter=None)
     config = base.config
     points = json.loads(Path(args.acceptance).read_text()) if args.acceptance else []
     greedy = DecodeOptions(chat=True, max_new_tokens=args.max_new_tokens)
     drafters, at_max_gamma = {}, {}  # the γ = max run serves both the fit and the sweep
     for path in args.drafters:
-        drafter = api.load(path)
+        # A drafter file applies to --model (default: the bundled model); a directory is a trained model.
+        drafter = api.load(args.model, drafter=path) if path in files else api.load(path)
         if drafter.config.draft_skip is None:
             p.error(f"{path} records no skip range; train it with s3d_jax.train")
         print(f"measuring acceptance of {path} (skip {drafter.config.draft_skip}) ...", file=sys.stderr)

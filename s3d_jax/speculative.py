@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from s3d_jax.cache import KVCache, cached_forward
 from s3d_jax.config import ModelConfig
-from s3d_jax.model import head_logits
+from s3d_jax.model import draft_head_logits, head_logits
 from s3d_jax.sampling import Sampling, choose, log_probs
 
 
@@ -34,11 +34,17 @@ class Plan:
     skip: tuple[int, int] | None  # inclusive range of layers the draft skips; None for "ar"
     draft_layers: tuple[int, ...]
     sampling: Sampling
+    tree: int = 0  # > 0: verify a token tree of this many nodes (s3d, greedy) instead of the argmax chain
 
     @classmethod
-    def make(cls, config: ModelConfig, method: str, gamma: int = 0, skip=None, sampling: Sampling | None = None) -> Plan:
+    def make(cls, config: ModelConfig, method: str, gamma: int = 0, skip=None, sampling: Sampling | None = None, tree: int = 0) -> Plan:
         draft_layers = config.draft_layers(skip) if skip is not None else ()
-        return cls(method, int(gamma), None if skip is None else tuple(skip), draft_layers, sampling or Sampling())
+        return cls(method, int(gamma), None if skip is None else tuple(skip), draft_layers, sampling or Sampling(), int(tree))
+
+    @property
+    def block(self) -> int:
+        """Cache slots an iteration writes past `n`: the γ drafts, or the tree's nodes."""
+        return max(self.gamma, self.tree)
 
 
 def draft_s3d(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng):
@@ -46,7 +52,7 @@ def draft_s3d(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rn
     masks = jnp.full((B, plan.gamma - 1), config.mask_token_id, jnp.int32)
     block = jnp.concatenate([x_n_B[:, None], masks], axis=1)
     hidden, _ = cached_forward(params, config, cache, block, plan.draft_layers, write=False, draft=True)
-    logits = head_logits(params, config, hidden)
+    logits = draft_head_logits(params, config, hidden)
     return choose(rng, logits, plan.sampling), logits, cache
 
 
@@ -60,7 +66,7 @@ def draft_selfspec(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_
         hidden, cache = cached_forward(
             params, config, cache.replace(lengths=n + j), token_B[:, None], plan.draft_layers, write=True, draft=True
         )
-        step_logits_BV = head_logits(params, config, hidden)[:, 0]
+        step_logits_BV = draft_head_logits(params, config, hidden)[:, 0]
         token_B = choose(rngs[j], step_logits_BV, plan.sampling)
         return token_B, drafts_BG.at[:, j].set(token_B), logits_BGV.at[:, j].set(step_logits_BV), cache
 

@@ -18,7 +18,7 @@ import pytest
 from reference import tiny_config, tiny_model
 
 import s3d_jax
-from s3d_jax import checkpoint, compile_cache, generate
+from s3d_jax import bundled, checkpoint, compile_cache, generate
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import ConfigError, ModelConfig
 
@@ -321,6 +321,13 @@ CLI_CASES = [  # refused by the project: exit 2 and "error: ..." on stderr
     (["--model", "MODEL", "--top-k", "1000", "--temperature", "1"], r"error: top_k 1000 exceeds the vocabulary of 96"),
     (["--model", "MODEL", "--prompt", "bad \udcff byte"], r"error: prompt is not valid Unicode: '\\udcff'"),
     (["--model", "MODEL"], r"error: this model has no tokenizer"),
+    (["--tree", "-2"], r"error: tree must be >= 0, got -2"),
+    (["--tree", "4", "--method", "ar"], r"error: tree drafting builds on the S3D draft pass: it needs method 's3d', not 'ar'"),
+    (["--tree", "4", "--temperature", "0.5"], r"error: tree drafting is greedy-only"),
+    (["--model", "MODEL", "--tree", "500"], r"error: tree 500 has more nodes than the 95 tokens"),
+    (["--model", "MODEL", "--drafter", "/nonexistent/d.safetensors"], r"error: no drafter file at /nonexistent/d.safetensors"),
+    (["--model", "MODEL", "--draft-vocab", "8"], r"error: draft_vocab_size needs a drafter"),
+    (["--model", "MODEL", "--drafter", "SHIPPED"], r"error: the drafter .* was made for another model: its vocab_size is 49280"),
 ]
 
 
@@ -335,7 +342,7 @@ def test_generate_cli_flag_errors(argv, message, capsys, no_compile_cache):
 
 @pytest.mark.parametrize("argv,message", CLI_CASES)
 def test_generate_cli_errors(argv, message, model_dir, capsys, no_compile_cache):
-    argv = [str(model_dir) if a == "MODEL" else a for a in argv]
+    argv = [{"MODEL": str(model_dir), "SHIPPED": str(bundled.DRAFTER)}.get(a, a) for a in argv]
     if "--prompt" not in argv:
         argv = ["--prompt", "hi", *argv]
     with time_limit(120):

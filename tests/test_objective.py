@@ -7,7 +7,19 @@ import pytest
 from reference import tiny_model
 
 from s3d_jax.cache import KVCache, cached_forward
-from s3d_jax.objective import Batch, Objective, anchors_of, choose_masks, draft_pass, loss_fn, target_pass
+from s3d_jax.checkpoint import Model
+from s3d_jax.drafter import with_draft_vocab
+from s3d_jax.model import NEG_INF
+from s3d_jax.objective import (
+    Batch,
+    Objective,
+    anchors_of,
+    choose_masks,
+    draft_logits_and_labels,
+    draft_pass,
+    loss_fn,
+    target_pass,
+)
 from s3d_jax.speculative import Plan, draft_s3d
 
 
@@ -21,11 +33,16 @@ def single_batch(tokens, loss_mask=None):
     )
 
 
-@pytest.mark.parametrize("gamma,skip,lora", [(3, (2, 3), 0), (4, (1, 4), 0), (2, (3, 3), 4)])
-def test_training_draft_pass_matches_inference(gamma, skip, lora):
+@pytest.mark.parametrize("gamma,skip,lora,vocab", [(3, (2, 3), 0, 0), (4, (1, 4), 0, 0), (2, (3, 3), 4, 0), (3, (1, 2), 4, 40)])
+def test_training_draft_pass_matches_inference(gamma, skip, lora, vocab):
     """For each anchor n, the training draft logits at depths 0..γ-1 equal `draft_s3d` run on the
-    prefix `x_0 .. x_{n-1}` in the cache and the block `[x_n, <M> ...]`."""
+    prefix `x_0 .. x_{n-1}` in the cache and the block `[x_n, <M> ...]` (with a reduced draft head:
+    over its tokens, the only ones the inference draft scores)."""
     model = tiny_model(seed=3, draft_lora_rank=lora)
+    if vocab:
+        ranking = np.random.default_rng(1).permutation(model.config.mask_token_id).astype(np.int32)
+        params, config = with_draft_vocab(model.params, model.config, ranking, vocab)
+        model = Model(params, config, model.tokenizer)
     if lora:  # non-zero adapters, so that the test would see them being ignored
         model.params = jax.tree_util.tree_map_with_path(
             lambda p, x: x + 0.05 if "_lora" in jax.tree_util.keystr(p) else x, model.params
@@ -36,7 +53,8 @@ def test_training_draft_pass_matches_inference(gamma, skip, lora):
     objective = Objective(skip=skip, gamma=gamma, masking="span")
     masked = choose_masks(jax.random.key(gamma), batch.segment_ids, objective)
     _, target_kvs = target_pass(model.params, config, batch)
-    train_logits, anchor = draft_pass(model.params, config, objective, batch, masked, target_kvs)
+    hidden, anchor = draft_pass(model.params, config, objective, batch, masked, target_kvs)
+    train_logits = draft_logits_and_labels(model.params, config, hidden, jnp.zeros(hidden.shape[:2], jnp.int32))[0]
     anchors = sorted(set(np.asarray(anchor)[0].tolist()))
     assert len(anchors) >= T // gamma
     plan = Plan.make(config, "s3d", gamma, skip)
@@ -47,7 +65,12 @@ def test_training_draft_pass_matches_inference(gamma, skip, lora):
         _, cache = cached_forward(model.params, config, cache, jnp.asarray([tokens[:n]]), config.all_layers, True)
         cache = cache.replace(lengths=jnp.asarray([n]))
         _, inference_logits, _ = draft_s3d(model.params, config, plan, cache, jnp.asarray([tokens[n]]), jax.random.key(0))
-        np.testing.assert_allclose(np.asarray(train_logits)[0, n : n + gamma], np.asarray(inference_logits)[0], atol=2e-5, rtol=1e-5)
+        inference_logits = np.asarray(inference_logits)[0]
+        if vocab:
+            scored = np.asarray(model.params["draft_vocab"])
+            assert np.all(np.delete(inference_logits, scored, axis=-1) == NEG_INF), "only the draft vocabulary is scored"
+            inference_logits = inference_logits[:, scored]
+        np.testing.assert_allclose(np.asarray(train_logits)[0, n : n + gamma], inference_logits, atol=2e-5, rtol=1e-5)
 
 
 def test_span_masks_follow_anchors():
@@ -86,12 +109,12 @@ def test_verifier_argmax_loss_vanishes_exactly_when_the_draft_argmax_agrees():
     from s3d_jax.objective import target_loss
 
     verifier = _verifier_logits()
-    data = jnp.zeros(verifier.shape[:2], jnp.int32)
     objective = Objective(skip=(1, 2), gamma=2, target="verifier_argmax")
     agree = 200.0 * jax.nn.one_hot(jnp.argmax(verifier, -1), verifier.shape[-1])
     disagree = 200.0 * jax.nn.one_hot((jnp.argmax(verifier, -1) + 1) % verifier.shape[-1], verifier.shape[-1])
-    assert float(jnp.max(target_loss(agree, data, verifier, objective))) < 1e-6
-    assert float(jnp.min(target_loss(disagree, data, verifier, objective))) > 100.0
+    labels = jnp.argmax(verifier, -1)  # what loss_fn passes for this target
+    assert float(jnp.max(target_loss(agree, labels, verifier, objective))) < 1e-6
+    assert float(jnp.min(target_loss(disagree, labels, verifier, objective))) > 100.0
 
 
 @pytest.mark.parametrize("top_k", [0, 3])

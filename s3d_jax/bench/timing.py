@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from s3d_jax import tree
 from s3d_jax.cache import KVCache
 from s3d_jax.speculative import Plan, draft_s3d, verify
 
@@ -45,6 +46,21 @@ def draft_ms(model, skip, gamma: int, **timing) -> float:
     return pass_ms(model, lambda p, c, x_n: draft_s3d(p, model.config, plan, c, x_n, jax.random.key(0))[1], **timing)
 
 
+def tree_verify_ms(model, size: int, gamma: int, **timing) -> float:
+    """Building a tree of `size` nodes from γ draft distributions, and its full-model verify pass."""
+    config = model.config
+    logits = jax.random.normal(jax.random.key(0), (1, gamma, config.vocab_size))
+    if config.mask_token_id is not None:
+        logits = logits.at[..., config.mask_token_id].set(-jnp.inf)
+
+    def build_and_verify(p, c, x_n):
+        # Shifted by x_n (softmax ignores a shift), so XLA cannot fold the tree's top-k into a constant.
+        nodes = tree.build(x_n, logits + x_n[:, None, None].astype(jnp.float32), size)
+        return tree.verify(p, config, c, nodes, gamma)[0]
+
+    return pass_ms(model, build_and_verify, **timing)
+
+
 def bandwidth_gb_s(nbytes: int, repeats: int = 10) -> float:
     """Streaming read bandwidth in GB/s: the best of `repeats` matrix-vector products over a float32
     buffer of `nbytes` (size it like the weights, so no cache holds it). A matrix-vector product reads
@@ -61,12 +77,17 @@ def bandwidth_gb_s(nbytes: int, repeats: int = 10) -> float:
     return buffer.nbytes / best / 1e9
 
 
-def pass_bytes(params, config, layers, context: int) -> int:
-    """What a cached pass through `layers` must read at least: those layers' weights, the head (the
-    tied embedding, else the LM head) and the final norm, and the cached keys and values of `layers`
+def pass_bytes(params, config, layers, context: int, draft: bool = False) -> int:
+    """What a cached pass through `layers` must read at least: those layers' weights (with the LoRA
+    adapters in a draft pass), the head (the reduced draft head in a draft pass that has one, else the
+    tied embedding or the LM head) and the final norm, and the cached keys and values of `layers`
     over `context` positions."""
-    head = params["embed"] if config.tie_embeddings else params["lm_head"]
-    weights = sum(x.nbytes for i in layers for x in jax.tree.leaves(params[f"layer_{i}"]))
+    if draft and config.draft_vocab_size:
+        head = params["draft_head"]
+    else:
+        head = params["embed"] if config.tie_embeddings else params["lm_head"]
+    weights = sum(x.nbytes for i in layers for path, x in jax.tree_util.tree_leaves_with_path(params[f"layer_{i}"])
+                  if draft or "_lora" not in jax.tree_util.keystr(path))
     weights += head.nbytes + sum(x.nbytes for x in jax.tree.leaves(params["final_norm"]))
     cache = 2 * len(layers) * config.num_kv_heads * config.head_dim * context * np.dtype(config.jnp_dtype).itemsize
     return int(weights + cache)

@@ -18,14 +18,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from s3d_jax import bundled, checkpoint
 from s3d_jax.checkpoint import CheckpointError, Model
 from s3d_jax.config import ConfigError, ModelConfig
-from s3d_jax.model import init_params
+from s3d_jax.model import cast_params, init_params
 from s3d_jax.objective import Objective
 from s3d_jax.train.config import model_config_from, resume_settings
 from s3d_jax.train.trainer import Trainer, TrainState
@@ -52,7 +51,7 @@ def load_base_model(cfg: ml_collections.ConfigDict) -> Model:
         raise ConfigError(f"data.max_len {cfg.data.max_len} exceeds the model's {model.config.max_position_embeddings} positions")
     # Master weights are float32; `train.compute_dtype` sets the precision of the passes.
     config = model.config.replace(dtype="float32", draft_lora_rank=cfg.s3d.lora_rank)
-    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), model.params)
+    params = cast_params(model.params, jnp.float32)
     if cfg.s3d.lora_rank:  # the base weights, plus new adapters
         merged = traverse_util.flatten_dict(init_params(config, jax.random.key(cfg.train.seed + 1)))
         merged.update(traverse_util.flatten_dict(params))
@@ -239,5 +238,5 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, state: TrainState
 def export(params, config: ModelConfig, objective: Objective, tokenizer, out: Path, dtype: str) -> Path:
     """Writes a model directory that `s3d_jax.load` reads, with the drafter's defaults recorded."""
     config = config.replace(dtype=dtype, draft_skip=objective.skip, draft_gamma=objective.gamma)
-    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)).astype(config.jnp_dtype), params)
+    params = cast_params(jax.device_get(params), config.jnp_dtype)
     return checkpoint.save(out, params, config, tokenizer, overwrite=True)  # the run's own output, replaced whole

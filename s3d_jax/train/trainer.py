@@ -11,8 +11,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from flax import traverse_util
 
 from s3d_jax.config import ModelConfig
+from s3d_jax.model import cast_params
 from s3d_jax.objective import Batch, Objective, loss_fn
 from s3d_jax.sharding import split_over_data
 from s3d_jax.train.config import objective_from
@@ -30,6 +32,8 @@ def trainable_mask(params, config: ModelConfig, skip: tuple[int, int], train_hea
 
     def rule(path, x):
         name = jax.tree_util.keystr(path)
+        if name.startswith("['draft_vocab']") or name.startswith("['draft_head']"):
+            return False  # the reduced draft head is a copy of the head's columns
         if "_lora" in name:
             return int(re.search(r"layer_(\d+)", name).group(1)) in draft_layers
         if name.startswith("['embed']"):
@@ -59,6 +63,13 @@ def make_optimizer(t: ml_collections.ConfigDict, masks):
     )
     labels = jax.tree.map(_label, masks, is_leaf=lambda x: isinstance(x, bool))
     return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels), schedule
+
+
+def _split(params, masks):
+    """(what trains, what is frozen) as flat `{path: leaf}` dicts: gradients are taken of the first only."""
+    flat, flat_masks = traverse_util.flatten_dict(params), traverse_util.flatten_dict(masks)
+    trains = {k: v for k, v in flat.items() if flat_masks[k] is not False}
+    return trains, {k: v for k, v in flat.items() if k not in trains}
 
 
 def _masked(tree, masks):
@@ -110,8 +121,7 @@ class Trainer:
     compute_dtype: str = "float32"
 
     def compute_params(self, params):
-        dt = jnp.dtype(self.compute_dtype)
-        return jax.tree.map(lambda x: x.astype(dt), params)
+        return cast_params(params, jnp.dtype(self.compute_dtype))
 
     def init(self, params, seed: int) -> TrainState:
         return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), jax.random.key_data(jax.random.key(seed)))
@@ -125,20 +135,27 @@ class Trainer:
         """One optimizer step over `[accum, B, T]` micro-batches, accumulating gradients."""
         _check_batch(batches, rank=3)
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        grad_fn = jax.grad(self.loss, has_aux=True)
+        # Gradients of what trains only: no weight gradients for frozen layers or int leaves.
+        trains, frozen = _split(state.params, self.masks)
+
+        def loss_of(trains, batch, rng):
+            return self.loss(traverse_util.unflatten_dict({**frozen, **trains}), batch, rng, original_params)
+
+        grad_fn = jax.grad(loss_of, has_aux=True)
 
         def micro(carry, xs):
             batch, i = xs
-            grads, metrics = grad_fn(state.params, batch, jax.random.fold_in(rng, i), original_params)
+            grads, metrics = grad_fn(trains, batch, jax.random.fold_in(rng, i))
             acc_grads, acc_metrics = carry
             return (jax.tree.map(jnp.add, acc_grads, grads), jax.tree.map(jnp.add, acc_metrics, metrics)), None
 
         accum = batches.tokens.shape[0]
         first = jax.tree.map(lambda x: x[0], batches)
-        metric_shapes = jax.eval_shape(lambda: grad_fn(state.params, first, rng, original_params)[1])
-        zeros = (jax.tree.map(jnp.zeros_like, state.params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
+        metric_shapes = jax.eval_shape(lambda: grad_fn(trains, first, rng)[1])
+        zeros = (jax.tree.map(jnp.zeros_like, trains), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
         (grads, metrics), _ = jax.lax.scan(micro, zeros, (batches, jnp.arange(accum)))
-        grads = _masked(jax.tree.map(lambda g: g / accum, grads), self.masks)
+        full_grads = {k: grads[k] / accum if k in grads else jnp.zeros_like(v) for k, v in traverse_util.flatten_dict(state.params).items()}
+        grads = _masked(traverse_util.unflatten_dict(full_grads), self.masks)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = _apply(state.params, _masked(updates, self.masks), self.masks)
         # The new state replaces the donated one: a changed shape or dtype (a compute-dtype leak into

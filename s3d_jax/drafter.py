@@ -1,0 +1,203 @@
+"""A drafter: what S3D training learns, as one small file applied to its base model at load time
+(docs/design.md, "The drafter file").
+
+    <name>.safetensors
+      mask_row            [D]       the trained `<M>` embedding
+      lora/<path>/{a,b}             draft-only LoRA adapters of the draft layers
+      vocab_ranking       [R] int32 the tokens by frequency in the training targets, most frequent first
+      metadata (JSON)     format, skip, gamma, lora_rank, draft_vocab_size, base model identity, tokenizer hash
+
+The verifier never reads the mask row (the mask token is never produced) nor the adapters (only draft
+passes apply them), so a model with a drafter applied verifies exactly as the bare base model: S3D's
+greedy output is the base model's greedy output. A 7B model's drafter is adapters, not a copy of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from s3d_jax.checkpoint import CheckpointError, Model, check_params
+from s3d_jax.config import ModelConfig, validate_skip
+from s3d_jax.model import init_params
+from s3d_jax.options import check_int
+
+FORMAT = 1
+SUFFIX = ".safetensors"
+# What must agree between a drafter and the model it is applied to.
+BASE_FIELDS = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mask_token_id")
+CHECKSUM_COLUMNS = 1024  # of the vocabulary table, summed: tells apart two models of the same shape
+CHECKSUM_RTOL = 1e-3  # loose enough for a bfloat16 copy of the same weights
+
+
+class DrafterError(CheckpointError):
+    """A drafter file that is missing, corrupt, or made for another model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    skip: tuple[int, int]
+    gamma: int
+    lora_rank: int
+    mask_row: np.ndarray  # [D]
+    lora: dict  # flat {param path tuple: array}, the draft layers' adapters
+    ranking: np.ndarray | None  # token ids, most frequent first, or None
+    draft_vocab_size: int  # the default reduced head (0: the full vocabulary)
+    base: dict  # BASE_FIELDS and the checksum
+    tokenizer_hash: str | None
+
+
+def base_identity(params, config: ModelConfig) -> dict:
+    columns = np.arange(min(CHECKSUM_COLUMNS, config.vocab_size))
+    columns = columns[columns != config.mask_token_id]  # the mask row is the drafter's own
+    table = np.asarray(jax.device_get(params["embed"]), np.float32)[:, columns]
+    return {**{name: getattr(config, name) for name in BASE_FIELDS}, "checksum": float(np.abs(table).sum(dtype=np.float64))}
+
+
+def tokenizer_hash(tokenizer) -> str | None:
+    if tokenizer is None:
+        return None
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def count_ranking(tokens, loss_mask, config: ModelConfig) -> np.ndarray:
+    """Every producible token id (not the mask, not padding) by how often it is a training target,
+    most frequent first; ties by id. Counted once from the training rows."""
+    counts = np.bincount(np.asarray(tokens)[np.asarray(loss_mask, bool)].ravel(), minlength=config.vocab_size)
+    producible = np.arange(config.output_vocab_size or config.vocab_size)
+    producible = producible[producible != config.mask_token_id]
+    return producible[np.argsort(-counts[producible], kind="stable")].astype(np.int32)
+
+
+def with_draft_vocab(params, config: ModelConfig, ranking: np.ndarray | None, size: int):
+    """`(params, config)` drafting over the `size` most frequent tokens of `ranking` (0: the full head)."""
+    params = {k: v for k, v in params.items() if k not in ("draft_vocab", "draft_head")}
+    if not size:
+        return params, config.replace(draft_vocab_size=0)
+    if ranking is None:
+        raise DrafterError(f"a reduced draft head of {size} tokens needs a token ranking, and this drafter has none")
+    producible = config.output_vocab_size or config.vocab_size
+    if size > len(ranking):
+        raise DrafterError(f"a reduced draft head of {size} tokens is larger than the {len(ranking)} tokens the ranking holds "
+                           f"(the model produces {producible})")
+    ids = np.sort(np.asarray(ranking[:size], np.int32))
+    if ids[0] < 0 or ids[-1] >= producible or config.mask_token_id in ids or len(np.unique(ids)) != size:
+        raise DrafterError("the token ranking holds ids the model never produces (the mask, padding, outside the vocabulary) "
+                           "or repeats one: it was made for another model")
+    head = params["embed"] if config.tie_embeddings else params["lm_head"]
+    params = {**params, "draft_vocab": jnp.asarray(ids), "draft_head": jnp.take(head, jnp.asarray(ids), axis=1)}
+    return params, config.replace(draft_vocab_size=size)
+
+
+def extract(params, config: ModelConfig, skip, gamma: int, ranking=None, draft_vocab_size: int = 0, tokenizer=None) -> Drafter:
+    """The drafter inside trained params: the draft layers' adapters and the mask row."""
+    if config.mask_token_id is None:
+        raise DrafterError("the model has no mask token row, so it has no drafter")
+    draft_layers = {f"layer_{i}" for i in config.draft_layers(skip)}
+    flat = traverse_util.flatten_dict(jax.device_get(params))
+    lora = {k: np.asarray(v, np.float32) for k, v in flat.items() if k[0] in draft_layers and any("_lora" in p for p in k)}
+    mask_row = np.asarray(flat[("embed",)][:, config.mask_token_id], np.float32)
+    ranking = None if ranking is None else np.asarray(ranking, np.int32)
+    return Drafter(tuple(skip), int(gamma), config.draft_lora_rank, mask_row, lora, ranking, int(draft_vocab_size),
+                   base_identity(params, config), tokenizer_hash(tokenizer))
+
+
+def save(path: str | os.PathLike, drafter: Drafter) -> Path:
+    """Writes the drafter file whole or not at all."""
+    path = Path(path).absolute()
+    if path.suffix != SUFFIX:
+        raise DrafterError(f"a drafter file is named *{SUFFIX}, got {path.name}")
+    tensors = {"mask_row": drafter.mask_row, **{"lora/" + "/".join(k): v for k, v in drafter.lora.items()}}
+    if drafter.ranking is not None:
+        tensors["vocab_ranking"] = drafter.ranking
+    meta = {"format": FORMAT, "skip": list(drafter.skip), "gamma": drafter.gamma, "lora_rank": drafter.lora_rank,
+            "draft_vocab_size": drafter.draft_vocab_size, "base": drafter.base, "tokenizer": drafter.tokenizer_hash}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata={"s3d_drafter": json.dumps(meta)})
+    os.replace(tmp, path)
+    return path
+
+
+def load_file(path: str | os.PathLike) -> Drafter:
+    path = Path(path)
+    if not path.is_file():
+        raise DrafterError(f"no drafter file at {path}")
+    try:
+        with safe_open(str(path), framework="np") as f:
+            meta_text = (f.metadata() or {}).get("s3d_drafter")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DrafterError(f"{path} is not a readable drafter file: {e}") from None
+    if meta_text is None:
+        raise DrafterError(f"{path} is a safetensors file but not an s3d_jax drafter (no s3d_drafter metadata)")
+    try:
+        meta = json.loads(meta_text)
+        if meta["format"] != FORMAT:
+            raise DrafterError(f"{path} holds drafter format {meta['format']}, and this s3d_jax reads format {FORMAT}")
+        lora = {tuple(k.split("/")[1:]): v for k, v in tensors.items() if k.startswith("lora/")}
+        return Drafter(tuple(meta["skip"]), int(meta["gamma"]), int(meta["lora_rank"]), tensors["mask_row"], lora,
+                       tensors.get("vocab_ranking"), int(meta["draft_vocab_size"]), meta["base"], meta["tokenizer"])
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, DrafterError):
+            raise
+        raise DrafterError(f"{path} is not a valid drafter file: {type(e).__name__}: {e}") from None
+
+
+def check_base(drafter: Drafter, model: Model, where: str) -> None:
+    """Refuses a drafter made for another model or another tokenizer, naming what differs."""
+    config = model.config
+    for name in BASE_FIELDS:
+        if drafter.base.get(name) != getattr(config, name):
+            raise DrafterError(f"the drafter {where} was made for another model: its {name} is {drafter.base.get(name)!r}, "
+                               f"the model's is {getattr(config, name)!r}")
+    checksum = base_identity(model.params, config)["checksum"]
+    if not np.isclose(checksum, drafter.base["checksum"], rtol=CHECKSUM_RTOL):
+        raise DrafterError(f"the drafter {where} was made for another model of the same shape: the vocabulary table's checksum is "
+                           f"{checksum:.6g}, the drafter's base had {drafter.base['checksum']:.6g}")
+    ours = tokenizer_hash(model.tokenizer)
+    if drafter.tokenizer_hash and ours and ours != drafter.tokenizer_hash:
+        raise DrafterError(f"the drafter {where} was made for another tokenizer (vocabulary hash {drafter.tokenizer_hash}, "
+                           f"the model's {ours}); its token ranking would name other tokens")
+
+
+def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: int | None = None) -> Model:
+    """The model with the drafter's adapters, mask row, defaults and (optionally reduced) draft head.
+    `draft_vocab_size` overrides the drafter's default (0: the full head)."""
+    where = "given"
+    if not isinstance(drafter, Drafter):
+        where = str(drafter)
+        drafter = load_file(drafter)
+    check_base(drafter, model, where)
+    config = model.config
+    skip = validate_skip(drafter.skip, config.num_layers)
+    config = config.replace(draft_skip=skip, draft_gamma=drafter.gamma, draft_lora_rank=drafter.lora_rank)
+    dtype = config.jnp_dtype
+    flat = traverse_util.flatten_dict({k: v for k, v in model.params.items() if k not in ("draft_vocab", "draft_head")})
+    flat = {k: v for k, v in flat.items() if not any("_lora" in p for p in k)}  # a drafter applied before is replaced
+    if drafter.lora_rank:  # every layer's adapters (zero outside the draft layers), then the drafter's
+        fresh = traverse_util.flatten_dict(init_params(config.replace(draft_vocab_size=0), jax.random.key(0)))
+        flat.update({k: jnp.zeros_like(v) for k, v in fresh.items() if any("_lora" in p for p in k)})
+    for k, v in drafter.lora.items():
+        if k not in flat or flat[k].shape != v.shape:
+            raise DrafterError(f"the drafter {where} has an adapter {'/'.join(k)} of shape {v.shape} that the model does not "
+                               f"(expected {None if k not in flat else flat[k].shape})")
+        flat[k] = jnp.asarray(v, dtype)
+    if drafter.mask_row.shape != (config.hidden_size,):
+        raise DrafterError(f"the drafter {where} has a mask row of shape {drafter.mask_row.shape}, the model needs ({config.hidden_size},)")
+    flat[("embed",)] = flat[("embed",)].at[:, config.mask_token_id].set(jnp.asarray(drafter.mask_row, dtype))
+    size = drafter.draft_vocab_size if draft_vocab_size is None else check_int("draft_vocab_size", draft_vocab_size, 0)
+    params, config = with_draft_vocab(traverse_util.unflatten_dict(flat), config, drafter.ranking, size)
+    check_params(params, config)
+    return Model(params, config, model.tokenizer)

@@ -1,0 +1,121 @@
+"""Tree drafting from the single S3D draft pass (docs/design.md, "Tree drafting").
+
+One draft pass gives a distribution at each depth 1..γ. Instead of the argmax chain, a token tree of
+a static N nodes is verified:
+  build    the N best root-to-node paths by the sum of draft log-probabilities along the path
+           (depth-by-depth beam of N, then the global best N; ties go to the shallower node, so every
+           chosen node's parent is chosen too), nodes ordered depth-major
+  verify   `[x_n, node_1 .. node_N]` in one full-model pass: node i at position n + depth(i), seeing
+           the cache and its ancestors only; their keys and values go to slots n .. n+N
+  accept   the deepest node whose every token equals the verifier's argmax at its parent, plus the
+           verifier's token there (greedy only)
+  compact  the accepted path's keys and values move to slots n+1 .. n+k, so the cache stays contiguous
+
+Shapes are static: N, γ and the batch fix every array. All of it runs inside the decode loop.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from s3d_jax.cache import KVCache, cached_forward
+from s3d_jax.config import ModelConfig
+from s3d_jax.model import head_logits
+
+
+@flax.struct.dataclass
+class Tree:
+    """A batch of token trees, the root (x_n) at index 0 and nodes in depth-major order."""
+
+    tokens: jax.Array  # [B, N+1]
+    parents: jax.Array  # [B, N+1] index of each node's parent (the root's is itself)
+    depths: jax.Array  # [B, N+1] 0 for the root
+
+
+def build(x_n_B, draft_logits_BGV, size: int) -> Tree:
+    """The `size` most probable paths of the draft distributions `[B, γ, V]` as a tree under `x_n`."""
+    B, G, _ = draft_logits_BGV.shape
+    logp, tokens = jax.lax.top_k(jax.nn.log_softmax(draft_logits_BGV.astype(jnp.float32), axis=-1), size)  # [B, G, N]
+    scores, parent_slots, level_tokens = [logp[:, 0]], [jnp.zeros((B, size), jnp.int32)], [tokens[:, 0]]
+    for d in range(1, G):  # the best `size` extensions of the previous depth's best `size` paths
+        candidates = (scores[-1][:, :, None] + logp[:, d][:, None, :]).reshape(B, size * size)
+        best, flat = jax.lax.top_k(candidates, size)
+        scores.append(best)
+        parent_slots.append(flat // size)
+        level_tokens.append(jnp.take_along_axis(tokens[:, d], flat % size, axis=1))
+    # Global best `size` over every depth's list; id = depth * size + slot breaks ties shallow-first.
+    all_scores = jnp.concatenate(scores, axis=1)  # [B, G * N]
+    ids = jnp.broadcast_to(jnp.arange(G * size), all_scores.shape)
+    chosen = jnp.sort(jnp.lexsort((ids, -all_scores), axis=-1)[:, :size], axis=-1)  # depth-major
+    depth0 = chosen // size
+    node_tokens = jnp.take_along_axis(jnp.concatenate(level_tokens, axis=1), chosen, axis=1)
+    parent_id = (depth0 - 1) * size + jnp.take_along_axis(jnp.concatenate(parent_slots, axis=1), chosen, axis=1)
+    parent_index = jax.vmap(jnp.searchsorted)(chosen, parent_id) + 1  # its place among the chosen, after the root
+    parents = jnp.where(depth0 == 0, 0, parent_index)
+    return Tree(
+        tokens=jnp.concatenate([x_n_B[:, None], node_tokens], axis=1).astype(jnp.int32),
+        parents=jnp.concatenate([jnp.zeros((B, 1), jnp.int32), parents.astype(jnp.int32)], axis=1),
+        depths=jnp.concatenate([jnp.zeros((B, 1), jnp.int32), depth0.astype(jnp.int32) + 1], axis=1),
+    )
+
+
+def ancestor_mask(tree: Tree, max_depth: int):
+    """`[B, N+1, N+1]`: node i sees node j when j is i or one of its ancestors."""
+    n = tree.tokens.shape[1]
+    seen = jnp.eye(n, dtype=bool)[None]
+    current = jnp.broadcast_to(jnp.arange(n), tree.parents.shape)
+    for _ in range(max_depth):
+        current = jnp.take_along_axis(tree.parents, current, axis=1)
+        seen = seen | jax.nn.one_hot(current, n, dtype=bool)
+    return seen
+
+
+def verify(params, config: ModelConfig, cache: KVCache, tree: Tree, max_depth: int):
+    """Full-model logits `[B, N+1, V]` at every node, each seeing the cache and its own ancestors;
+    the nodes' keys and values are written to slots `n .. n+N`."""
+    positions = cache.lengths[:, None] + tree.depths
+    hidden, cache = cached_forward(params, config, cache, tree.tokens, config.all_layers, write=True,
+                                   positions_BT=positions, block_mask_BTT=ancestor_mask(tree, max_depth))
+    return head_logits(params, config, hidden), cache
+
+
+def accept(tree: Tree, target_logits_BTV, max_depth: int):
+    """Greedy: `(k [B], emitted [B, γ+1], path [B, γ])`. `emitted[:, :k]` are the accepted path's
+    tokens, `emitted[:, k]` the verifier's token after it, `path[:, :k]` the accepted nodes."""
+    target = jnp.argmax(target_logits_BTV, axis=-1).astype(jnp.int32)  # [B, N+1]
+    correct = tree.tokens == jnp.take_along_axis(target, tree.parents, axis=1)
+    correct = correct.at[:, 0].set(True)
+    accepted = correct
+    for _ in range(max_depth):  # accepted: correct, and so is every ancestor
+        accepted = correct & jnp.take_along_axis(accepted, tree.parents, axis=1)
+    best = jnp.argmax(jnp.where(accepted, tree.depths, -1), axis=1)  # the deepest; among those, the most probable
+    k = jnp.take_along_axis(tree.depths, best[:, None], axis=1)[:, 0]
+    path = jnp.zeros((tree.tokens.shape[0], max_depth), jnp.int32)
+    node = best
+    for _ in range(max_depth):  # walk up from the best node, recording each node at its depth
+        depth = jnp.take_along_axis(tree.depths, node[:, None], axis=1)[:, 0]
+        path = jnp.where((jnp.arange(max_depth)[None, :] == depth[:, None] - 1), node[:, None], path)
+        node = jnp.take_along_axis(tree.parents, node[:, None], axis=1)[:, 0]
+    j = jnp.arange(max_depth + 1)[None, :]
+    path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)
+    bonus = jnp.take_along_axis(target, best[:, None], axis=1)
+    emitted = jnp.where(j < k[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))), bonus)
+    return k, emitted, path
+
+
+def compact(cache: KVCache, path_BG, k_B) -> KVCache:
+    """Moves the accepted nodes' keys and values from slots `n + path[j]` to `n + 1 + j` (j < k)."""
+    G = path_BG.shape[1]
+    j = jnp.arange(G)[None, :]
+    source = cache.lengths[:, None] + jnp.where(j < k_B[:, None], path_BG, 1 + j)  # [B, G]; unaccepted stay put
+
+    def move(buffer, axis):  # per row: gather the G source slots, write them at n + 1
+        def row(buf, src, at):
+            moved = jnp.take(buf, src, axis=axis - 1)
+            return jax.lax.dynamic_update_slice_in_dim(buf, moved, at, axis=axis - 1)
+
+        return jax.vmap(row)(buffer, source, cache.lengths + 1)
+
+    return cache.replace(keys=tuple(move(k, 2) for k in cache.keys), values=tuple(move(v, 3) for v in cache.values))

@@ -1,0 +1,185 @@
+"""The drafter file and the reduced draft head: round trip, exactness against the bare model, bad files."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+from reference import tiny_model
+
+import s3d_jax
+from s3d_jax import Model, drafter
+from s3d_jax.cache import KVCache, cached_forward
+from s3d_jax.drafter import DrafterError
+from s3d_jax.model import NEG_INF
+from s3d_jax.speculative import Plan, draft_s3d
+
+SKIP, GAMMA, RANK = (2, 3), 3, 4
+
+
+def _trained(seed=0, rank=RANK):
+    """A tiny base model and the same model with non-zero adapters and a moved mask row, as training leaves it."""
+    base = tiny_model(seed=seed)
+    with_lora = tiny_model(seed=seed, draft_lora_rank=rank)
+    rng = np.random.default_rng(seed)
+
+    def perturb(path, x):
+        name = jax.tree_util.keystr(path)
+        if "_lora" in name:
+            return jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype)
+        if name == "['embed']":
+            return x.at[:, base.config.mask_token_id].set(jnp.asarray(rng.normal(0, 1, x.shape[0]), x.dtype))
+        return x
+
+    params = jax.tree_util.tree_map_with_path(perturb, with_lora.params)
+    return base, Model(params, with_lora.config)
+
+
+def _ranking(config, seed=1):
+    return np.random.default_rng(seed).permutation(config.mask_token_id).astype(np.int32)  # every id but the mask (the last)
+
+
+def _file(tmp_path, ranking=True, draft_vocab_size=0, seed=0, name="d.safetensors"):
+    base, trained = _trained(seed)
+    rank = _ranking(base.config) if ranking else None
+    d = drafter.extract(trained.params, trained.config, SKIP, GAMMA, rank, draft_vocab_size)
+    return base, trained, drafter.save(tmp_path / name, d)
+
+
+def test_round_trip_restores_adapters_mask_row_and_defaults(tmp_path):
+    base, trained, path = _file(tmp_path, draft_vocab_size=40)
+    assert path.stat().st_size < 200_000
+    loaded = drafter.load_file(path)
+    assert loaded.skip == SKIP and loaded.gamma == GAMMA and loaded.lora_rank == RANK and loaded.draft_vocab_size == 40
+    np.testing.assert_array_equal(loaded.ranking, _ranking(base.config))
+    applied = drafter.apply(base, path)
+    assert (applied.config.draft_skip, applied.config.draft_gamma, applied.config.draft_vocab_size) == (SKIP, GAMMA, 40)
+    got, want = traverse_util.flatten_dict(applied.params), traverse_util.flatten_dict(trained.params)
+    draft_layers = {f"layer_{i}" for i in trained.config.draft_layers(SKIP)}
+    for key, value in want.items():
+        if "_lora" in "".join(key) and key[0] not in draft_layers:
+            assert not np.any(np.asarray(got[key])), "skipped layers carry no adapters"
+        else:
+            np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(value), err_msg=str(key))
+    np.testing.assert_array_equal(np.asarray(applied.params["draft_vocab"]), np.sort(_ranking(base.config)[:40]))
+
+
+def test_verifier_is_bit_identical_and_decoding_exact(tmp_path):
+    base, _, path = _file(tmp_path, draft_vocab_size=32)
+    ids = np.random.default_rng(0).integers(0, 95, (2, 12))
+    mask_id = base.config.mask_token_id
+    for size in (0, 8, 32, 95 - 1):
+        model = drafter.apply(base, path, draft_vocab_size=size)
+        got, want = np.asarray(s3d_jax.logits(model, ids)), np.asarray(s3d_jax.logits(base, ids))
+        assert np.array_equal(np.delete(got, mask_id, -1), np.delete(want, mask_id, -1))
+        for prompt, eos in (([5, 9, 2, 7], ()), ([[1, 2, 3], [4, 5, 6]], (3,))):
+            plain = s3d_jax.decode(base, prompt, method="ar", max_new_tokens=14, eos_token_ids=eos)
+            spec = s3d_jax.decode(model, prompt, max_new_tokens=14, eos_token_ids=eos)
+            assert spec.tokens == plain.tokens, f"draft vocabulary {size}"
+
+
+def test_reduced_head_only_proposes_its_tokens_and_never_the_mask(tmp_path):
+    base, _, path = _file(tmp_path)
+    model = drafter.apply(base, path, draft_vocab_size=16)
+    # The mask row as the best-scoring direction: a full head would propose it if it were not excluded.
+    config = model.config
+    cache = KVCache.zeros(config, 1, 32)
+    _, cache = cached_forward(model.params, config, cache, jnp.asarray([[3, 4, 5]]), config.all_layers, True)
+    cache = cache.replace(lengths=jnp.asarray([3]))
+    plan = Plan.make(config, "s3d", 6, SKIP)
+    drafts, logits, _ = draft_s3d(model.params, config, plan, cache, jnp.asarray([6]), jax.random.key(0))
+    allowed = set(np.asarray(model.params["draft_vocab"]).tolist())
+    assert set(np.asarray(drafts).ravel().tolist()) <= allowed and config.mask_token_id not in allowed
+    assert np.all(np.asarray(logits)[..., config.mask_token_id] == NEG_INF)
+
+
+def test_a_drafter_without_a_ranking_falls_back_to_the_full_head(tmp_path):
+    base, _, path = _file(tmp_path, ranking=False)
+    model = drafter.apply(base, path)
+    assert model.config.draft_vocab_size == 0 and "draft_vocab" not in model.params
+    plain = s3d_jax.decode(base, [1, 2, 3], method="ar", max_new_tokens=8, eos_token_ids=())
+    assert s3d_jax.decode(model, [1, 2, 3], max_new_tokens=8, eos_token_ids=()).tokens == plain.tokens
+    with pytest.raises(DrafterError, match="needs a token ranking"):
+        drafter.apply(base, path, draft_vocab_size=8)
+
+
+def test_count_ranking_orders_by_frequency_and_skips_mask_and_padding():
+    config = tiny_model().config.replace(output_vocab_size=90)
+    tokens = np.array([[7, 7, 7, 3, 3, 95, 92, 1]])
+    loss = np.array([[1, 1, 1, 1, 1, 1, 1, 0]], bool)
+    ranking = drafter.count_ranking(tokens, loss, config)
+    assert ranking[:2].tolist() == [7, 3]
+    assert 95 not in ranking and 92 not in ranking and len(ranking) == 90
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("size,match", [(96, "96 tokens is larger than the 95"), (-1, "draft_vocab_size"), (2.5, "draft_vocab_size")])
+def test_bad_draft_vocabulary_size(tmp_path, size, match):
+    base, _, path = _file(tmp_path)
+    with pytest.raises((ValueError, TypeError), match=match):
+        drafter.apply(base, path, draft_vocab_size=size)
+
+
+def test_a_drafter_for_another_model_is_refused(tmp_path):
+    _, _, path = _file(tmp_path, seed=0)
+    with pytest.raises(DrafterError, match="another model of the same shape"):
+        drafter.apply(tiny_model(seed=7), path)
+    with pytest.raises(DrafterError, match="hidden_size"):
+        drafter.apply(tiny_model(seed=0, hidden_size=24, head_dim=6), path)
+
+
+def test_a_drafter_for_another_tokenizer_is_refused(tmp_path):
+    from s3d_jax import bundled
+
+    base, trained = _trained()
+    d = drafter.extract(trained.params, trained.config, SKIP, GAMMA, _ranking(base.config), 8, bundled.tokenizer())
+    path = drafter.save(tmp_path / "d.safetensors", d)
+
+    class OtherTokenizer:
+        def get_vocab(self):
+            return {"a": 0, "b": 1}
+
+    with pytest.raises(DrafterError, match="another tokenizer"):
+        drafter.apply(Model(base.params, base.config, OtherTokenizer()), path)
+
+
+def test_a_ranking_holding_the_mask_id_is_refused():
+    base = tiny_model()
+    with pytest.raises(DrafterError, match="never produces"):
+        drafter.with_draft_vocab(base.params, base.config, np.array([95, 1, 2], np.int32), 3)
+
+
+@pytest.mark.parametrize("content", [b"", b"not a safetensors file at all", b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage"])
+def test_corrupt_drafter_files(tmp_path, content):
+    base = tiny_model()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(DrafterError, match="bad.safetensors"):
+        drafter.apply(base, path)
+
+
+def test_truncated_and_foreign_files(tmp_path):
+    from safetensors.numpy import save_file
+
+    base, _, path = _file(tmp_path)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(DrafterError, match="cut.safetensors"):
+        drafter.apply(base, cut)
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"x": np.zeros(3, np.float32)}, str(foreign))
+    with pytest.raises(DrafterError, match="not an s3d_jax drafter"):
+        drafter.apply(base, foreign)
+    with pytest.raises(DrafterError, match="no drafter file"):
+        drafter.apply(base, tmp_path / "missing.safetensors")
+
+
+def test_load_refuses_bad_drafter_arguments(tmp_path):
+    with pytest.raises(TypeError, match="drafter must be a path"):
+        s3d_jax.load(drafter=3)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        s3d_jax.load(drafter=None, draft_vocab_size=8)
