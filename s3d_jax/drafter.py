@@ -184,8 +184,8 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
     skip = validate_skip(drafter.skip, config.num_layers)
     config = config.replace(draft_skip=skip, draft_gamma=drafter.gamma, draft_lora_rank=drafter.lora_rank)
     dtype = config.jnp_dtype
-    flat = traverse_util.flatten_dict({k: v for k, v in model.params.items() if k not in ("draft_vocab", "draft_head")})
-    flat = {k: v for k, v in flat.items() if not any("_lora" in p for p in k)}  # a drafter applied before is replaced
+    flat = traverse_util.flatten_dict(model.params)  # a draft head applied before is replaced by `with_draft_vocab`
+    flat = {k: v for k, v in flat.items() if not any("_lora" in p for p in k)}  # and adapters applied before, here
     if drafter.lora_rank:  # every layer's adapters (zero outside the draft layers), then the drafter's
         fresh = traverse_util.flatten_dict(init_params(config.replace(draft_vocab_size=0), jax.random.key(0)))
         flat.update({k: jnp.zeros_like(v) for k, v in fresh.items() if any("_lora" in p for p in k)})

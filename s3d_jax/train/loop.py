@@ -49,12 +49,11 @@ def _run(cfg: ml_collections.ConfigDict, workdir: Path, mesh, cleanup: contextli
     train_rows, eval_rows = load_rows(cfg.data, base.tokenizer, progress)
     # The tokens the draft head may propose, most frequent first (a reduced head drafts the first
     # s3d.draft_vocab of them); recounted identically on resume, and stored with the drafter.
-    ranking = count_ranking(train_rows.tokens, train_rows.loss_mask, base.config)
+    counted = [train_rows]
     if cfg.s3d.draft_vocab_data:
-        extra, _ = data.load_dataset(cfg.s3d.draft_vocab_data, base.tokenizer, max_len=cfg.data.max_len, eval_fraction=0.0,
-                                     max_conversations=VOCAB_CONVERSATIONS, progress=progress)
-        ranking = count_ranking(np.concatenate([train_rows.tokens, extra.tokens]),
-                                np.concatenate([train_rows.loss_mask, extra.loss_mask]), base.config)
+        counted.append(data.load_dataset(cfg.s3d.draft_vocab_data, base.tokenizer, max_len=cfg.data.max_len, eval_fraction=0.0,
+                                         max_conversations=VOCAB_CONVERSATIONS, progress=progress)[0])
+    ranking = count_ranking(np.concatenate([r.tokens for r in counted]), np.concatenate([r.loss_mask for r in counted]), base.config)
     params, config = with_draft_vocab(base.params, base.config, ranking, cfg.s3d.draft_vocab)
     base = dataclasses.replace(base, params=params, config=config)
     trainer, schedule = trainer_from(cfg, base.config, base.params)
