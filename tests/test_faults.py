@@ -116,7 +116,7 @@ def test_no_readable_checkpoint_stops_and_moves_nothing(run_copy, capfd):
         ({"s3d.skip": (1, 4), "s3d.gamma": 5, "s3d.masking": "iid"},
          ["s3d.gamma: 3 -> 5", "s3d.masking: 'span' -> 'iid'", "s3d.skip: [2, 3] -> [1, 4]"]),
         ({"s3d.train_head": True, "s3d.kl_weight": 0.5}, ["s3d.kl_weight: 0.0 -> 0.5", "s3d.train_head: False -> True"]),
-        ({"data.max_len": 32, "train.seed": 7}, ["data.max_len: 64 -> 32", "train.seed: 0 -> 7"]),
+        ({"data.max_len": 48, "train.seed": 7}, ["data.max_len: 64 -> 48", "train.seed: 0 -> 7"]),
         ({"train.batch_size": 2}, ["train.batch_size x train.grad_accum: 4 -> 2"]),
         ({"s3d.lora_rank": 4}, ["another model", "model.draft_lora_rank: 0 -> 4"]),
         ({"train.steps": 3}, ["at step 4, past train.steps=3", "train.steps >= 4"]),

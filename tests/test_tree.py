@@ -123,12 +123,14 @@ def test_tree_accepts_at_least_what_the_chain_does():
 
 
 def test_one_compile_per_tree_size(model):
-    before = decoding.compile_count()
-    s3d_jax.decode(model, [1, 2, 3], tree=8, gamma=3, skip=(2, 3), max_new_tokens=6, eos_token_ids=())
-    s3d_jax.decode(model, [4, 5, 6, 7], tree=8, gamma=3, skip=(2, 3), max_new_tokens=6, eos_token_ids=())
-    assert decoding.compile_count() - before == 2, "prefill and loop, once, for both prompts of the bucket"
-    s3d_jax.decode(model, [4, 5, 6, 7], tree=9, gamma=3, skip=(2, 3), max_new_tokens=6, eos_token_ids=())
-    assert decoding.compile_count() - before == 3, "a new size compiles the loop again (N is a static shape)"
+    def compiles(prompt, tree):
+        before = decoding.compile_count()
+        s3d_jax.decode(model, prompt, tree=tree, gamma=3, skip=(2, 3), max_new_tokens=6, eos_token_ids=())
+        return decoding.compile_count() - before
+
+    assert compiles([1, 2, 3], 8) in (1, 2), "the loop, and the prefill unless an earlier decode of this bucket built it"
+    assert compiles([4, 5, 6, 7], 8) == 0, "another prompt of the same bucket compiles nothing"
+    assert compiles([4, 5, 6, 7], 9) == 1, "a new size compiles the loop again (N is a static shape); the prefill is shared"
 
 
 @pytest.mark.parametrize("options,match", [
