@@ -111,6 +111,7 @@ class DecodeStats:
     accept_histogram: list[list[int]]  # per row: how many iterations accepted k = 0..γ drafts
     decode_seconds: float  # prefill and loop, compilation excluded
     compile_seconds: float
+    tree: int = 0  # the token tree's nodes; 0: the argmax chain
 
     @property
     def tokens_per_iteration(self) -> float:
@@ -128,8 +129,9 @@ class DecodeStats:
 
     def summary(self) -> str:
         depth = " ".join(f"{a:.2f}" for a in self.acceptance_per_depth)
+        method = f"{self.method} (tree {self.tree})" if self.tree else self.method
         text = (
-            f"{self.method}: {sum(self.generated_tokens)} tokens in {self.decode_seconds:.2f}s "
+            f"{method}: {sum(self.generated_tokens)} tokens in {self.decode_seconds:.2f}s "
             f"({self.tokens_per_second:.1f} tok/s, compile {self.compile_seconds:.1f}s), "
             f"{sum(self.iterations)} iterations, {self.tokens_per_iteration:.2f} tokens/iteration"
         )
@@ -143,7 +145,7 @@ class DecodeOutput:
     stats: DecodeStats
 
 
-def _encode(model: Model, prompt, chat: bool) -> tuple[list[list[int]], bool]:
+def encode(model: Model, prompt, chat: bool) -> tuple[list[list[int]], bool]:
     """Prompts as token-id lists, and whether the input was a batch."""
 
     def tokenizer():
@@ -238,7 +240,9 @@ def plan_for(config: ModelConfig, options: DecodeOptions) -> Plan:
             "this checkpoint has no mask token row (mask_token_id is unset): S3D drafting needs one; "
             "convert it again with tools/convert_hf.py"
         )
-    tree = options.tree or 0
+    # The drafter's default tree applies where a tree can: greedy S3D (sampling then drafts the chain).
+    default_tree = config.draft_tree if options.method == "s3d" and sampling.greedy else 0
+    tree = default_tree if options.tree is None else options.tree
     draftable = config.draft_vocab_size or (config.output_vocab_size or config.vocab_size) - (config.mask_token_id is not None)
     if tree > draftable:
         raise ValueError(f"tree {tree} has more nodes than the {draftable} tokens the draft can propose at each depth")
@@ -264,7 +268,7 @@ def prepare(
         if eos >= cfg.vocab_size or eos == cfg.mask_token_id:
             what = "the mask token, which is never emitted" if eos == cfg.mask_token_id else f"outside the vocabulary of {cfg.vocab_size}"
             raise ValueError(f"eos token id {eos} is {what}")
-    ids, batched = _encode(model, prompt, options.chat)
+    ids, batched = encode(model, prompt, options.chat)
     lengths = np.array([len(row) for row in ids])
     padded_len = bucket(int(lengths.max()))
     needed = int(lengths.max()) + max_new_tokens + plan.block
@@ -305,6 +309,7 @@ def _output(model: Model, run: decoding.Run, state, batched: bool, seconds: floa
         accept_histogram=hist.tolist(),
         decode_seconds=seconds,
         compile_seconds=run.compile_seconds,
+        tree=run.plan.tree,
     )
     text = None
     if model.tokenizer is not None:

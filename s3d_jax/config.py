@@ -73,6 +73,7 @@ class ModelConfig:
     # > 0: draft passes score only this many tokens (the drafter's most frequent ones, FR-Spec),
     # through the `draft_vocab` ids and their `draft_head` columns; verification keeps the full head.
     draft_vocab_size: int = 0
+    draft_tree: int = 0  # > 0: S3D decodes with a token tree of this many nodes unless told otherwise
     # Per-family options; the defaults are LLaMA's.
     rope_scaling: RopeScaling | None = None  # of the full-attention layers (Llama-3.1, Gemma-3)
     layer_types: tuple[str, ...] | None = None  # per layer, from LAYER_TYPES; None: every layer alike (see `is_sliding`)
@@ -101,8 +102,9 @@ class ModelConfig:
         for name in ("rope_theta", "rms_norm_eps"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ConfigError(f"config field {name} must be a positive finite number, got {getattr(self, name)!r}")
-        if self.draft_lora_rank < 0:
-            raise ConfigError(f"config field draft_lora_rank must be >= 0, got {self.draft_lora_rank}")
+        for name in ("draft_lora_rank", "draft_tree"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"config field {name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.draft_vocab_size <= (self.output_vocab_size or self.vocab_size):
             raise ConfigError(
                 f"config field draft_vocab_size must be in [0, {self.output_vocab_size or self.vocab_size}] (the tokens the "

@@ -5,7 +5,8 @@
       mask_row            [D]       the trained `<M>` embedding
       lora/<path>/{a,b}             draft-only LoRA adapters of the draft layers
       vocab_ranking       [R] int32 the tokens by frequency in the training targets, most frequent first
-      metadata (JSON)     format, skip, gamma, lora_rank, draft_vocab_size, base model identity, tokenizer hash
+      metadata (JSON)     format, skip, gamma, lora_rank, draft_vocab_size, tree (the default node budget, 0: the
+                          chain), base model identity, tokenizer hash
 
 The verifier never reads the mask row (the mask token is never produced) nor the adapters (only draft
 passes apply them), so a model with a drafter applied verifies exactly as the bare base model: S3D's
@@ -55,6 +56,7 @@ class Drafter:
     draft_vocab_size: int  # the default reduced head (0: the full vocabulary)
     base: dict  # BASE_FIELDS and the checksum
     tokenizer_hash: str | None
+    tree: int = 0  # the default token-tree size of S3D decoding (0: the argmax chain)
 
 
 def base_identity(params, config: ModelConfig) -> dict:
@@ -100,7 +102,8 @@ def with_draft_vocab(params, config: ModelConfig, ranking: np.ndarray | None, si
     return params, config.replace(draft_vocab_size=size)
 
 
-def extract(params, config: ModelConfig, skip, gamma: int, ranking=None, draft_vocab_size: int = 0, tokenizer=None) -> Drafter:
+def extract(params, config: ModelConfig, skip, gamma: int, ranking=None, draft_vocab_size: int = 0, tokenizer=None,
+            tree: int = 0) -> Drafter:
     """The drafter inside trained params: the draft layers' adapters and the mask row."""
     if config.mask_token_id is None:
         raise DrafterError("the model has no mask token row, so it has no drafter")
@@ -110,7 +113,7 @@ def extract(params, config: ModelConfig, skip, gamma: int, ranking=None, draft_v
     mask_row = np.asarray(flat[("embed",)][:, config.mask_token_id], np.float32)
     ranking = None if ranking is None else np.asarray(ranking, np.int32)
     return Drafter(tuple(skip), int(gamma), config.draft_lora_rank, mask_row, lora, ranking, int(draft_vocab_size),
-                   base_identity(params, config), tokenizer_hash(tokenizer))
+                   base_identity(params, config), tokenizer_hash(tokenizer), int(tree))
 
 
 def save(path: str | os.PathLike, drafter: Drafter) -> Path:
@@ -122,7 +125,8 @@ def save(path: str | os.PathLike, drafter: Drafter) -> Path:
     if drafter.ranking is not None:
         tensors["vocab_ranking"] = drafter.ranking
     meta = {"format": FORMAT, "skip": list(drafter.skip), "gamma": drafter.gamma, "lora_rank": drafter.lora_rank,
-            "draft_vocab_size": drafter.draft_vocab_size, "base": drafter.base, "tokenizer": drafter.tokenizer_hash}
+            "draft_vocab_size": drafter.draft_vocab_size, "tree": drafter.tree, "base": drafter.base,
+            "tokenizer": drafter.tokenizer_hash}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata={"s3d_drafter": json.dumps(meta)})
@@ -148,7 +152,8 @@ def load_file(path: str | os.PathLike) -> Drafter:
             raise DrafterError(f"{path} holds drafter format {meta['format']}, and this s3d_jax reads format {FORMAT}")
         lora = {tuple(k.split("/")[1:]): v for k, v in tensors.items() if k.startswith("lora/")}
         return Drafter(tuple(meta["skip"]), int(meta["gamma"]), int(meta["lora_rank"]), tensors["mask_row"], lora,
-                       tensors.get("vocab_ranking"), int(meta["draft_vocab_size"]), meta["base"], meta["tokenizer"])
+                       tensors.get("vocab_ranking"), int(meta["draft_vocab_size"]), meta["base"], meta["tokenizer"],
+                       int(meta.get("tree", 0)))  # files written before trees recorded none
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, DrafterError):
             raise
@@ -182,7 +187,7 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
     check_base(drafter, model, where)
     config = model.config
     skip = validate_skip(drafter.skip, config.num_layers)
-    config = config.replace(draft_skip=skip, draft_gamma=drafter.gamma, draft_lora_rank=drafter.lora_rank)
+    config = config.replace(draft_skip=skip, draft_gamma=drafter.gamma, draft_lora_rank=drafter.lora_rank, draft_tree=drafter.tree)
     dtype = config.jnp_dtype
     flat = traverse_util.flatten_dict(model.params)  # a draft head applied before is replaced by `with_draft_vocab`
     flat = {k: v for k, v in flat.items() if not any("_lora" in p for p in k)}  # and adapters applied before, here

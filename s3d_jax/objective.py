@@ -23,6 +23,7 @@ import optax
 
 from s3d_jax.config import ModelConfig
 from s3d_jax.model import NEG_INF, full_pass, head_logits, lm_logits, never_produced, reduced_logits, run_layers
+from s3d_jax.sampling import top_k
 
 MASKINGS = ("span", "iid")
 LOSS_POSITIONS = ("anchors", "unmasked")
@@ -156,7 +157,7 @@ def target_loss(draft_logits_BTV, labels_BT, verifier_logits_BTV, objective: Obj
     tau = objective.target_temperature
     verifier = verifier_logits_BTV / tau
     if objective.target_top_k:
-        kth = jax.lax.top_k(verifier, objective.target_top_k)[0][..., -1:]
+        kth = top_k(verifier, objective.target_top_k)[0][..., -1:]
         verifier = jnp.where(verifier < kth, NEG_INF, verifier)
     p, log_q = jax.nn.softmax(verifier, -1), jax.nn.log_softmax(draft_logits_BTV / tau, -1)
     if objective.target == "verifier_kl":  # KL(p || q), scaled by τ² so gradients keep their size

@@ -29,7 +29,7 @@ class DecodeOptions:
     chat: bool = False  # apply the model's chat template to text prompts
     eos_token_ids: tuple[int, ...] | None = None  # None: the checkpoint's and the tokenizer's
     max_len: int | None = None  # cache positions; None: the smallest bucket that fits
-    tree: int | None = None  # S3D only: verify a token tree of this many nodes; None or 0: the argmax chain
+    tree: int | None = None  # S3D only: verify a token tree of this many nodes; 0: the argmax chain; None: the drafter's
 
     def __post_init__(self):
         """Checks every field's type and range (what needs the model is checked by `api.prepare`)."""
@@ -52,7 +52,8 @@ class DecodeOptions:
         set_("top_p", check_float("top_p", self.top_p))
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        set_("tree", check_int("tree", self.tree or 0, 0))
+        if self.tree is not None:
+            set_("tree", check_int("tree", self.tree, 0))
         if self.tree and self.method != "s3d":
             raise ValueError(f"tree drafting builds on the S3D draft pass: it needs method 's3d', not {self.method!r}")
         if self.tree and self.temperature:

@@ -3,6 +3,7 @@
     python -m s3d_jax.predict --drafters runs/skip_a/model runs/skip_b/model runs/skip_c/model
     python -m s3d_jax.predict --drafters ... --sweep          # also measure every setting, and plot both
     python -m s3d_jax.predict --acceptance measured.json --assume-constant --model PATH
+    python -m s3d_jax.predict --drafters s3d_jax/drafters/SmolLM2-135M-Instruct.safetensors --trees 8 16 32 64 [--sweep]
 
 Model:
   α_1(r) = 1 - c (1 - r)^κ            first-draft acceptance, → 1 as the draft uses the whole model (r → 1)
@@ -11,15 +12,28 @@ Model:
   speedup = E · t(1) / (r · t(γ) + t(γ+1) + ε · t(1))
 where t(T) is the measured time of a full pass over T tokens; with --assume-constant t(T) = C
 (a memory-bound device), which gives docs/design.md's E / (1 + r + ε).
+
+Trees (--trees): at every position of the model's own greedy replies, the rank of each of the next γ
+tokens in the draft distributions of one S3D pass (0: the draft's first choice). A static tree is a
+set of rank paths; it accepts at a position the longest path prefix of that position's ranks that it
+holds. Its E is 1 + (the positions each of its paths covers) / positions, so the best tree of N nodes
+is the N most frequent rank prefixes. They are chosen on half the replies and counted on the other
+half (and the reverse), so the estimate is not fitted to the replies it is scored on. decode's own
+trees are built from each pass's probabilities, not from fixed ranks, so they can do better.
+  tree speedup = E(N) · t(1) / (t_draft + t_tree(N) + ε · t(1)), the draft pass and t_tree(N) (tree build and
+  verify) measured; with --assume-constant t_draft = r · t(1) and t_tree(N) = t(1)
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from matplotlib.figure import Figure
 
@@ -27,9 +41,14 @@ from s3d_jax import api
 from s3d_jax import drafter as drafter_lib
 from s3d_jax.bench.methods import decode_prompts
 from s3d_jax.bench.suites import load_suite
-from s3d_jax.bench.timing import verify_ms
+from s3d_jax.bench.timing import draft_ms, tree_verify_ms, verify_ms
+from s3d_jax.cache import prompt_forward
 from s3d_jax.metrics import acceptance_per_depth, expected_tokens, tokens_per_iteration
 from s3d_jax.options import DecodeOptions
+from s3d_jax.speculative import Plan, draft_s3d
+
+RANKS = 8  # draft ranks the tree analysis tells apart; a token ranked lower is out of every tree's reach
+TOP_K = (1, 2, 4, 8)  # reported: acceptance per depth when the tree holds the draft's k first choices
 
 
 def draft_ratio(config, skip) -> float:
@@ -95,11 +114,121 @@ def interpolated(times: dict[int, float]):
         (times[ts[-1]] - times[ts[0]]) / max(ts[-1] - ts[0], 1))
 
 
+def first_turns(questions: int) -> list[dict]:
+    return [{**q, "turns": q["turns"][:1]} for q in load_suite("mt_bench", questions)]
+
+
 def measure(model, questions: int, options: DecodeOptions):
     """Decodes the first turn of `questions` MT-Bench questions: (tokens/s, pooled accept histogram)."""
-    first_turns = [{**q, "turns": q["turns"][:1]} for q in load_suite("mt_bench", questions)]
-    decoded = decode_prompts(model, {"mt_bench": first_turns}, options)
+    decoded = decode_prompts(model, {"mt_bench": first_turns(questions)}, options)
     return decoded.tokens_per_second, decoded.histogram
+
+
+# ------------------------------------------------------------------ trees
+
+
+def greedy_replies(model, questions: int, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, the model's plain greedy reply) for the first turn of `questions` MT-Bench questions."""
+    replies = []
+    for q in first_turns(questions):
+        messages = [{"role": "user", "content": q["turns"][0]}]
+        reply = api.decode(model, messages, chat=True, method="ar", max_new_tokens=max_new_tokens).tokens
+        replies.append((api.encode(model, messages, chat=True)[0][0], reply))
+    return replies
+
+
+def draft_ranks(model, replies, gamma: int) -> list[np.ndarray]:
+    """Per reply, `[positions, γ]`: at every position n of the reply, the rank (0: the first choice) of
+    the tokens n+1 .. n+γ in the draft distributions of one S3D pass from x_n, the cache holding the
+    full model's entries before n, as in decoding. Greedy decoding visits exactly these tokens."""
+    config = model.config
+    plan = Plan.make(config, "s3d", gamma, config.draft_skip)
+
+    @jax.jit
+    def ranks(params, ids, positions):
+        _, cache = prompt_forward(params, config, ids[None], ids.shape[0])
+
+        def at(n):
+            _, logits, _ = draft_s3d(params, config, plan, cache.replace(lengths=n[None]), ids[n][None], jax.random.key(0))
+            own = jnp.take_along_axis(logits[0], jax.lax.dynamic_slice(ids, (n + 1,), (gamma,))[:, None], axis=1)
+            return jnp.sum(logits[0] > own, axis=1)
+
+        return jax.lax.map(at, positions)
+
+    out = []
+    for prompt, reply in replies:
+        ids = prompt + reply
+        positions = np.arange(len(prompt), len(ids) - gamma)
+        if not len(positions):
+            continue
+        padded_ids = np.zeros(api.bucket(len(ids)), np.int32)
+        padded_ids[: len(ids)] = ids
+        padded = np.resize(positions, api.bucket(len(positions)))  # repeats positions: one compile per bucket
+        out.append(np.asarray(ranks(model.params, padded_ids, padded))[: len(positions)])
+    return out
+
+
+def rank_prefixes(ranks: np.ndarray) -> collections.Counter:
+    """How many positions each rank path covers: every prefix of a position's ranks, up to its first
+    rank out of reach."""
+    counts = collections.Counter()
+    for row in ranks.tolist():
+        for depth in range(len(row)):
+            if row[depth] >= RANKS:
+                break
+            counts[tuple(row[: depth + 1])] += 1
+    return counts
+
+
+def static_tree_e(chosen_on: np.ndarray, scored_on: np.ndarray, size: int) -> float:
+    """E of the `size` rank paths most frequent in `chosen_on`, counted on `scored_on` (a child never
+    covers more positions than its parent, so the most frequent paths form a tree)."""
+    paths = [p for p, _ in sorted(rank_prefixes(chosen_on).items(), key=lambda item: (-item[1], len(item[0])))[:size]]
+    scored = rank_prefixes(scored_on)
+    return 1.0 + sum(scored[p] for p in paths) / max(len(scored_on), 1)
+
+
+def tree_analysis(ranks: list[np.ndarray], sizes) -> dict:
+    """Chain E, top-k acceptance per depth, and the static-tree E of each size, two-fold across replies."""
+    folds = [np.concatenate(ranks[i::2]) if ranks[i::2] else np.zeros((0, 1), int) for i in (0, 1)]
+    everything = np.concatenate(ranks)
+    gamma = everything.shape[1]
+    first_choices = np.cumprod(everything == 0, axis=1)  # all earlier depths were the first choice
+    reached = np.concatenate([np.ones((len(everything), 1), bool), first_choices[:, :-1].astype(bool)], axis=1)
+    top_k = {k: [float(np.mean(everything[reached[:, d], d] < k)) if reached[:, d].any() else float("nan") for d in range(gamma)]
+             for k in TOP_K}
+
+    def crossed(size):
+        if not (len(folds[0]) and len(folds[1])):  # one reply: nothing to hold out
+            return static_tree_e(everything, everything, size)
+        return float(np.mean([static_tree_e(folds[i], folds[1 - i], size) for i in (0, 1)]))
+
+    return {"positions": len(everything), "chain_e": 1.0 + float(first_choices.sum(axis=1).mean()),
+            "top_k_acceptance_per_depth": top_k, "tree_e": {int(n): crossed(n) for n in sizes}}
+
+
+def predict_trees(model, args, pass_ms, plain_speed: float | None) -> dict:
+    """The drafter's chain (tree 0) and trees of each size in `args.trees`: predicted E, verify cost and
+    speedup; with `plain_speed` (the --sweep), also the measured E and speed of decoding with each."""
+    config, gamma = model.config, model.config.draft_gamma or args.max_gamma
+    print(f"measuring draft ranks of skip {list(config.draft_skip)}, gamma {gamma} on the model's own replies ...", file=sys.stderr)
+    analysis = tree_analysis(draft_ranks(model, greedy_replies(model, args.questions, args.max_new_tokens), gamma), args.trees)
+    # The draft pass is measured here (it may have a reduced head and adapters), or r plain steps on a memory-bound device.
+    draft = draft_ratio(config, config.draft_skip) * pass_ms(1) if args.assume_constant else draft_ms(model, config.draft_skip, gamma)
+    rows = []
+    for size in [0, *args.trees]:
+        e = analysis["tree_e"][size] if size else analysis["chain_e"]
+        verify = pass_ms(gamma + 1) if not size or args.assume_constant else tree_verify_ms(model, size, gamma)
+        row = {"tree": size, "predicted_e": e, "verify_ms": verify, "verify_vs_step": verify / pass_ms(1),
+               "predicted_speedup": e * pass_ms(1) / (draft + verify + args.epsilon * pass_ms(1))}
+        if plain_speed:
+            print(f"decoding with tree {size} ...", file=sys.stderr)
+            speed, hist = measure(model, args.questions, DecodeOptions(chat=True, max_new_tokens=args.max_new_tokens, gamma=gamma,
+                                                                       tree=size))
+            row.update(measured_e=tokens_per_iteration(hist), measured_speedup=speed / plain_speed)
+        rows.append(row)
+    best = max(rows, key=lambda row: row["predicted_speedup"])
+    return {"skip": list(config.draft_skip), "gamma": gamma, **analysis, "rows": rows, "recommended_tree": best["tree"]}
 
 
 def main(argv=None) -> int:
@@ -114,12 +243,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--epsilon", type=float, default=0.05, help="fixed overhead per iteration, in plain steps")
     p.add_argument("--assume-constant", action="store_true", help="t(T) = C: a memory-bound device")
-    p.add_argument("--sweep", action="store_true", help="also measure the speedup of every drafter and gamma")
+    p.add_argument("--sweep", action="store_true", help="also measure the speedup of every drafter and gamma (and tree)")
+    p.add_argument("--trees", type=int, nargs="*", default=[], metavar="N",
+                   help="also predict token trees of these sizes for each drafter (at its own gamma), and recommend one")
     p.add_argument("--out", default="results/predict")
     args = p.parse_args(argv)
 
     if not args.drafters and not args.acceptance:
         p.error("give --drafters to measure, or --acceptance with measured values")
+    if args.trees and (not args.drafters or min(args.trees) < 1):
+        p.error("--trees needs --drafters (their draft passes are measured) and sizes >= 1")
     files = [d for d in args.drafters if d.endswith(drafter_lib.SUFFIX)]
     base = api.load(args.model or (None if files or not args.drafters else args.drafters[0]), drafter=None)
     config = base.config
@@ -167,6 +300,9 @@ def main(argv=None) -> int:
                                  "tokens_per_iteration": tokens_per_iteration(hist), "predicted_speedup": predicted(skip, gamma)})
         report["measured"] = measured
         report["best_measured"] = max(measured, key=lambda q: q["measured_speedup"])
+    if args.trees:
+        plain_speed = measure(base, args.questions, greedy.replace(method="ar"))[0] if args.sweep else None
+        report["trees"] = [predict_trees(drafter, args, t, plain_speed) for drafter in drafters.values()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "predict.json").write_text(json.dumps(report, indent=1))
@@ -176,8 +312,46 @@ def main(argv=None) -> int:
     if args.sweep:
         b = report["best_measured"]
         print(f"best measured:  skip {b['skip']}, gamma {b['gamma']} -> {b['measured_speedup']:.2f}x")
-    print(f"wrote {out}/predict.json and predict.png")
+    for trees in report.get("trees", []):
+        print(tree_table(trees))
+        plot_trees(trees, out / f"predict_trees_skip{trees['skip'][0]}-{trees['skip'][1]}.png")
+    print(f"wrote {out}/predict.json and the plots")
     return 0
+
+
+def tree_table(trees: dict) -> str:
+    """Markdown: each tree size's predicted (and measured) E, verify cost and speedup; 0 is the chain."""
+    measured = "measured_e" in trees["rows"][0]
+    head = ["tree N", "predicted E", "verify vs plain step", "predicted speedup"] + (["measured E", "measured speedup"] if measured else [])
+    lines = [f"skip {trees['skip']}, gamma {trees['gamma']}, {trees['positions']} positions; "
+             f"recommended tree: {trees['recommended_tree'] or 'the chain'}", "", "| " + " | ".join(head) + " |",
+             "|" + " --- |" * len(head)]
+    for row in trees["rows"]:
+        cells = [str(row["tree"] or "chain"), f"{row['predicted_e']:.2f}", f"{row['verify_vs_step']:.2f}x",
+                 f"{row['predicted_speedup']:.2f}x"]
+        if measured:
+            cells += [f"{row['measured_e']:.2f}", f"{row['measured_speedup']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_trees(trees: dict, path: Path) -> None:
+    fig = Figure(figsize=(10, 3.8))
+    left, right = fig.subplots(1, 2)
+    rows = trees["rows"]
+    sizes = [row["tree"] or trees["gamma"] for row in rows]  # the chain has γ nodes
+    for ax, key, label in ((left, "e", "tokens per iteration E"), (right, "speedup", "speedup vs plain")):
+        ax.plot(sizes, [row[f"predicted_{key}"] for row in rows], "o--", label="predicted")
+        if f"measured_{key}" in rows[0]:
+            ax.plot(sizes, [row[f"measured_{key}"] for row in rows], "s-", label="measured")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree nodes N (leftmost: the chain)")
+        ax.set_ylabel(label)
+        ax.legend()
+    right.axhline(1.0, color="gray", lw=0.8)
+    fig.suptitle(f"skip {trees['skip']}, gamma {trees['gamma']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def plot(report: dict, path: Path) -> None:

@@ -24,6 +24,13 @@ class Sampling:
         return self.temperature == 0.0
 
 
+def top_k(x, k: int):
+    """`jax.lax.top_k` over the last axis, on a 2-D view: XLA's CPU backend has a top-k kernel for rank 2
+    only and sorts whole rows at any other rank (50 ms instead of 0.5 for γ rows of a 49k vocabulary)."""
+    values, indices = jax.lax.top_k(x.reshape(-1, x.shape[-1]), k)
+    return values.reshape(*x.shape[:-1], k), indices.reshape(*x.shape[:-1], k)
+
+
 def log_probs(logits, sampling: Sampling):
     """Log-probabilities after temperature, top-k and top-p (removed tokens get -inf)."""
     # Shifted so that the largest logit is 0 and the rest negative: a tiny temperature then sends
@@ -32,7 +39,7 @@ def log_probs(logits, sampling: Sampling):
     shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
     logits = jnp.where(shifted == 0, 0.0, shifted / sampling.temperature)
     if sampling.top_k:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
+        kth = top_k(logits, sampling.top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, NEG_INF, logits)
     if sampling.top_p < 1.0:
         sorted_desc = -jnp.sort(-logits, axis=-1)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from s3d_jax.cache import KVCache, cached_forward
 from s3d_jax.config import ModelConfig
 from s3d_jax.model import head_logits
+from s3d_jax.sampling import top_k
 
 
 @flax.struct.dataclass
@@ -37,7 +38,7 @@ class Tree:
 def build(x_n_B, draft_logits_BGV, size: int) -> Tree:
     """The `size` most probable paths of the draft distributions `[B, γ, V]` as a tree under `x_n`."""
     B, G, _ = draft_logits_BGV.shape
-    logp, tokens = jax.lax.top_k(jax.nn.log_softmax(draft_logits_BGV.astype(jnp.float32), axis=-1), size)  # [B, G, N]
+    logp, tokens = top_k(jax.nn.log_softmax(draft_logits_BGV.astype(jnp.float32), axis=-1), size)  # [B, G, N]
     scores, parent_slots, level_tokens = [logp[:, 0]], [jnp.zeros((B, size), jnp.int32)], [tokens[:, 0]]
     for d in range(1, G):  # the best `size` extensions of the previous depth's best `size` paths
         candidates = (scores[-1][:, :, None] + logp[:, d][:, None, :]).reshape(B, size * size)

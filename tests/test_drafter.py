@@ -183,3 +183,21 @@ def test_load_refuses_bad_drafter_arguments(tmp_path):
         s3d_jax.load(drafter=3)
     with pytest.raises(ValueError, match="needs a drafter"):
         s3d_jax.load(drafter=None, draft_vocab_size=8)
+
+
+def test_the_default_tree_round_trips_and_older_files_have_none(tmp_path):
+    import dataclasses
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    base, _, path = _file(tmp_path)
+    drafter.save(path, dataclasses.replace(drafter.load_file(path), tree=16))
+    assert drafter.load_file(path).tree == 16 and drafter.apply(base, path).config.draft_tree == 16
+    # A file written before drafters recorded a tree: no "tree" in its metadata.
+    from safetensors import safe_open
+    with safe_open(str(path), framework="np") as f:
+        meta = json.loads(f.metadata()["s3d_drafter"])
+    del meta["tree"]
+    save_file(load_file(str(path)), str(path), metadata={"s3d_drafter": json.dumps(meta)})
+    assert drafter.load_file(path).tree == 0 and drafter.apply(base, path).config.draft_tree == 0

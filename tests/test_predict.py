@@ -62,7 +62,7 @@ def test_cli_sweep_on_tiny_drafters(tmp_path):
     out = tmp_path / "predict"
     result = subprocess.run(
         [sys.executable, "-m", "s3d_jax.predict", "--drafters", *drafters, "--questions", "1", "--max-gamma", "2",
-         "--max-new-tokens", "8", "--sweep", "--out", str(out)],
+         "--max-new-tokens", "8", "--sweep", "--trees", "2", "4", "--out", str(out)],
         capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -74,3 +74,52 @@ def test_cli_sweep_on_tiny_drafters(tmp_path):
     assert report["best_predicted"]["predicted_speedup"] == max(
         report["best_predicted"]["predicted_speedup"], *(m["predicted_speedup"] for m in report["measured"]))
     assert "best predicted: skip" in result.stdout and "best measured:  skip" in result.stdout
+    # Trees, for each drafter at its own gamma: the chain and each size, predicted and measured, and a recommendation.
+    assert len(report["trees"]) == 2
+    for trees in report["trees"]:
+        assert [row["tree"] for row in trees["rows"]] == [0, 2, 4] and trees["recommended_tree"] in (0, 2, 4)
+        assert all(row["predicted_e"] >= 1 and row["measured_e"] >= 1 and row["verify_ms"] > 0 for row in trees["rows"])
+        assert (out / f"predict_trees_skip{trees['skip'][0]}-{trees['skip'][1]}.png").stat().st_size > 0
+    assert "recommended tree:" in result.stdout
+
+
+# ---------------------------------------------------------------- trees
+
+
+def test_static_tree_e_counts_the_most_frequent_rank_paths():
+    from s3d_jax.predict import static_tree_e, tree_analysis
+
+    ranks = np.array([[0, 0]] * 4 + [[1, 0]] * 2 + [[0, 1], [9, 0]])  # 8 positions; rank 9 is out of every tree's reach
+    # Prefix counts: (0,) 5, (0, 0) 4, (1,) 2, (1, 0) 2, (0, 1) 1.
+    assert [static_tree_e(ranks, ranks, n) for n in (1, 2, 3, 4, 5, 9)] == [1 + 5 / 8, 1 + 9 / 8, 1 + 11 / 8, 1 + 13 / 8, 1 + 14 / 8,
+                                                                             1 + 14 / 8]
+    analysis = tree_analysis([ranks[:4], ranks[4:]], [2, 4])
+    assert analysis["positions"] == 8 and analysis["chain_e"] == 1 + 9 / 8
+    assert analysis["top_k_acceptance_per_depth"][1] == [5 / 8, 4 / 5] and analysis["top_k_acceptance_per_depth"][2][0] == 7 / 8
+    # Two folds: paths chosen on one half, counted on the other. The second half alone picks (1,) first.
+    assert analysis["tree_e"][2] == np.mean([static_tree_e(ranks[:4], ranks[4:], 2), static_tree_e(ranks[4:], ranks[:4], 2)])
+
+
+def test_draft_ranks_equal_a_draft_pass_from_each_prefix():
+    import jax
+    import jax.numpy as jnp
+    from reference import tiny_model
+
+    from s3d_jax.cache import prompt_forward
+    from s3d_jax.predict import draft_ranks
+    from s3d_jax.speculative import Plan, draft_s3d
+
+    model = tiny_model(seed=3)
+    model = model.__class__(model.params, model.config.replace(draft_skip=(2, 3)))
+    prompt, reply, gamma = [5, 6, 7], [int(t) for t in np.random.default_rng(0).integers(0, 90, 12)], 3
+    got = draft_ranks(model, [(prompt, reply)], gamma)[0]
+    ids = prompt + reply
+    plan = Plan.make(model.config, "s3d", gamma, (2, 3))
+    want = []
+    for n in range(len(prompt), len(ids) - gamma):
+        _, cache = prompt_forward(model.params, model.config, jnp.asarray([ids[:n]]), 32)
+        _, logits, _ = draft_s3d(model.params, model.config, plan, cache.replace(lengths=jnp.asarray([n])), jnp.asarray([ids[n]]),
+                                 jax.random.key(0))
+        own = logits[0, jnp.arange(gamma), jnp.asarray(ids[n + 1: n + 1 + gamma])]
+        want.append(np.asarray(jnp.sum(logits[0] > own[:, None], axis=1)))
+    np.testing.assert_array_equal(got, np.array(want))

@@ -7,7 +7,7 @@ import pytest
 from reference import numpy_logits, tiny_model
 
 import s3d_jax
-from s3d_jax import decoding, tree
+from s3d_jax import api, decoding, sampling, tree
 from s3d_jax.cache import KVCache, cached_forward, prompt_forward
 
 
@@ -145,3 +145,29 @@ def test_one_compile_per_tree_size(model):
 def test_bad_tree_requests(model, options, match):
     with pytest.raises((ValueError, TypeError), match=match):
         s3d_jax.decode(model, [1, 2, 3], max_new_tokens=4, **options)
+
+
+def test_top_k_of_any_rank_equals_lax_top_k():
+    x = jax.random.normal(jax.random.key(0), (2, 3, 50))
+    values, indices = sampling.top_k(x, 5)
+    want_values, want_indices = jax.lax.top_k(x, 5)
+    np.testing.assert_array_equal(values, want_values)
+    np.testing.assert_array_equal(indices, want_indices)
+
+
+# ---------------------------------------------------------------- the drafter's default tree
+
+
+def test_a_drafter_default_tree_is_used_for_greedy_s3d_only(model):
+    drafted = s3d_jax.Model(model.params, model.config.replace(draft_skip=(2, 3), draft_gamma=3, draft_tree=6))
+
+    def plan(**options):
+        return api.prepare(drafted, [1, 2, 3], max_new_tokens=4, **options)[1].plan
+
+    assert plan().tree == 6
+    assert plan(tree=0).tree == 0 and plan(tree=9).tree == 9, "an explicit size wins; 0 is the chain"
+    assert plan(temperature=0.7).tree == 0, "sampling drafts the chain: trees are greedy-only"
+    assert plan(method="selfspec").tree == 0 and plan(method="ar").tree == 0
+    out = s3d_jax.decode(drafted, [1, 2, 3], max_new_tokens=12, eos_token_ids=())
+    assert out.stats.tree == 6 and "s3d (tree 6):" in out.stats.summary()
+    assert out.tokens == s3d_jax.decode(drafted, [1, 2, 3], max_new_tokens=12, eos_token_ids=(), method="ar").tokens

