@@ -240,7 +240,7 @@ def plan_for(config: ModelConfig, options: DecodeOptions) -> Plan:
             "this checkpoint has no mask token row (mask_token_id is unset): S3D drafting needs one; "
             "convert it again with tools/convert_hf.py"
         )
-    # The drafter's default tree applies where a tree can: greedy S3D (sampling then drafts the chain).
+    # The drafter's default tree is for greedy S3D (its size was chosen for greedy acceptance); sampling asks explicitly.
     default_tree = config.draft_tree if options.method == "s3d" and sampling.greedy else 0
     tree = default_tree if options.tree is None else options.tree
     draftable = config.draft_vocab_size or (config.output_vocab_size or config.vocab_size) - (config.mask_token_id is not None)

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from safetensors.numpy import save_file
 
 from s3d_jax.config import DTYPES, ConfigError, ModelConfig
 from s3d_jax.model import abstract_params, cast_params
@@ -58,6 +59,14 @@ def save(path: str | os.PathLike, params, config: ModelConfig, tokenizer=None, o
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return path
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' `save_file`, with the permissions any other new file gets (it creates owner-only files)."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def check_target(out: Path, overwrite: bool) -> None:

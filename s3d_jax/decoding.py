@@ -74,7 +74,7 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
     if plan.tree:
         nodes = tree.build(x_n, draft_logits, plan.tree)
         target_logits, cache = tree.verify(params, config, cache, nodes, G)
-        k, emitted, path = tree.accept(nodes, target_logits, G)
+        k, emitted, path = tree.accept(accept_rng, nodes, target_logits, G, plan.sampling)
         cache = tree.compact(cache, path, k)
     else:
         target_logits, cache = verify(params, config, cache, x_n, drafts)

@@ -26,11 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
-from s3d_jax.checkpoint import CheckpointError, Model, check_params
+from s3d_jax.checkpoint import CheckpointError, Model, check_params, save_safetensors
 from s3d_jax.config import ModelConfig, validate_skip
-from s3d_jax.model import init_params
+from s3d_jax.model import abstract_params
 from s3d_jax.options import check_int
 
 FORMAT = 1
@@ -129,7 +128,7 @@ def save(path: str | os.PathLike, drafter: Drafter) -> Path:
             "tokenizer": drafter.tokenizer_hash}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata={"s3d_drafter": json.dumps(meta)})
+    save_safetensors({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata={"s3d_drafter": json.dumps(meta)})
     os.replace(tmp, path)
     return path
 
@@ -192,8 +191,8 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
     flat = traverse_util.flatten_dict(model.params)  # a draft head applied before is replaced by `with_draft_vocab`
     flat = {k: v for k, v in flat.items() if not any("_lora" in p for p in k)}  # and adapters applied before, here
     if drafter.lora_rank:  # every layer's adapters (zero outside the draft layers), then the drafter's
-        fresh = traverse_util.flatten_dict(init_params(config.replace(draft_vocab_size=0), jax.random.key(0)))
-        flat.update({k: jnp.zeros_like(v) for k, v in fresh.items() if any("_lora" in p for p in k)})
+        shapes = traverse_util.flatten_dict(abstract_params(config.replace(draft_vocab_size=0)))  # no second model in memory
+        flat.update({k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items() if any("_lora" in p for p in k)})
     for k, v in drafter.lora.items():
         if k not in flat or flat[k].shape != v.shape:
             raise DrafterError(f"the drafter {where} has an adapter {'/'.join(k)} of shape {v.shape} that the model does not "

@@ -56,8 +56,6 @@ class DecodeOptions:
             set_("tree", check_int("tree", self.tree, 0))
         if self.tree and self.method != "s3d":
             raise ValueError(f"tree drafting builds on the S3D draft pass: it needs method 's3d', not {self.method!r}")
-        if self.tree and self.temperature:
-            raise ValueError("tree drafting is greedy-only for now: use temperature=0, or tree=0 (the chain) to sample")
         if not isinstance(self.chat, bool):
             raise TypeError(f"chat must be True or False, got {self.chat!r}")
         if self.skip is not None:

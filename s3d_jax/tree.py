@@ -7,8 +7,11 @@ a static N nodes is verified:
            chosen node's parent is chosen too), nodes ordered depth-major
   verify   `[x_n, node_1 .. node_N]` in one full-model pass: node i at position n + depth(i), seeing
            the cache and its ancestors only; their keys and values go to slots n .. n+N
-  accept   the deepest node whose every token equals the verifier's argmax at its parent, plus the
-           verifier's token there (greedy only)
+  accept   the verifier picks one token at every node: its argmax (greedy), or an independent sample
+           of its distribution (sampling); a node is accepted when its token is its parent's pick and
+           its parent is accepted, and the deepest accepted node's pick is emitted after the path.
+           Siblings hold distinct tokens, so at most one child matches: each emitted token is a sample
+           of the verifier's distribution given the tokens before it, which makes sampling lossless.
   compact  the accepted path's keys and values move to slots n+1 .. n+k, so the cache stays contiguous
 
 Shapes are static: N, γ and the batch fix every array. All of it runs inside the decode loop.
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 from s3d_jax.cache import KVCache, cached_forward
 from s3d_jax.config import ModelConfig
 from s3d_jax.model import head_logits
-from s3d_jax.sampling import top_k
+from s3d_jax.sampling import Sampling, choose, top_k
 
 
 @flax.struct.dataclass
@@ -82,10 +85,10 @@ def verify(params, config: ModelConfig, cache: KVCache, tree: Tree, max_depth: i
     return head_logits(params, config, hidden), cache
 
 
-def accept(tree: Tree, target_logits_BTV, max_depth: int):
-    """Greedy: `(k [B], emitted [B, γ+1], path [B, γ])`. `emitted[:, :k]` are the accepted path's
-    tokens, `emitted[:, k]` the verifier's token after it, `path[:, :k]` the accepted nodes."""
-    target = jnp.argmax(target_logits_BTV, axis=-1).astype(jnp.int32)  # [B, N+1]
+def accept(rng, tree: Tree, target_logits_BTV, max_depth: int, sampling: Sampling):
+    """`(k [B], emitted [B, γ+1], path [B, γ])`. `emitted[:, :k]` are the accepted path's tokens,
+    `emitted[:, k]` the verifier's token after it, `path[:, :k]` the accepted nodes."""
+    target = choose(rng, target_logits_BTV, sampling)  # [B, N+1]: the verifier's pick at every node
     correct = tree.tokens == jnp.take_along_axis(target, tree.parents, axis=1)
     correct = correct.at[:, 0].set(True)
     accepted = correct

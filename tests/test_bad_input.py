@@ -323,7 +323,6 @@ CLI_CASES = [  # refused by the project: exit 2 and "error: ..." on stderr
     (["--model", "MODEL"], r"error: this model has no tokenizer"),
     (["--tree", "-2"], r"error: tree must be >= 0, got -2"),
     (["--tree", "4", "--method", "ar"], r"error: tree drafting builds on the S3D draft pass: it needs method 's3d', not 'ar'"),
-    (["--tree", "4", "--temperature", "0.5"], r"error: tree drafting is greedy-only"),
     (["--model", "MODEL", "--tree", "500"], r"error: tree 500 has more nodes than the 95 tokens"),
     (["--model", "MODEL", "--drafter", "/nonexistent/d.safetensors"], r"error: no drafter file at /nonexistent/d.safetensors"),
     (["--model", "MODEL", "--draft-vocab", "8"], r"error: draft_vocab_size needs a drafter"),

@@ -105,6 +105,13 @@ def test_bench_decode_on_a_tiny_model(tmp_path):
     # No EOS on either side: every prompt runs to --max-new-tokens.
     assert [results["jax"]["methods"][m]["tokens"] for m in ("ar", "selfspec", "s3d")] == [12, 12, 12]
     assert results["hf"]["tokens"] == 12 and results["hf"]["tokens_per_s"] > 0
+    # Each method's memory from a process of its own: the stages in order, none above the peak.
+    memory = results["jax"]["memory"]
+    assert set(memory) == {"ar", "selfspec", "s3d"}
+    for row in memory.values():
+        assert list(row["stages_mib"]) == ["JAX runtime", "model loaded", "after decoding"]
+        assert 0 < row["stages_mib"]["JAX runtime"] <= row["peak_rss_mib"] and max(row["stages_mib"].values()) <= row["peak_rss_mib"] + 1
+    assert "Resident memory of each method alone" in (tmp_path / "out" / "bench_decode.md").read_text()
     assert (tmp_path / "out" / "bench_decode.png").stat().st_size > 0
 
 

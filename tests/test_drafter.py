@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,9 @@ def _file(tmp_path, ranking=True, draft_vocab_size=0, seed=0, name="d.safetensor
 def test_round_trip_restores_adapters_mask_row_and_defaults(tmp_path):
     base, trained, path = _file(tmp_path, draft_vocab_size=40)
     assert path.stat().st_size < 200_000
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask, "readable like any other new file, not owner-only"
     loaded = drafter.load_file(path)
     assert loaded.skip == SKIP and loaded.gamma == GAMMA and loaded.lora_rank == RANK and loaded.draft_vocab_size == 40
     np.testing.assert_array_equal(loaded.ranking, _ranking(base.config))

@@ -92,7 +92,7 @@ def test_accepting_the_greedy_path_compacts_the_cache(model):
     nodes = tree.build(jnp.asarray([x_n]), jnp.asarray(draft), 30)  # every mix of the two choices
     cache = _cache_after(model, prefix)
     logits, cache = tree.verify(model.params, config, cache, nodes, gamma)
-    k, emitted, path = tree.accept(nodes, logits, gamma)
+    k, emitted, path = tree.accept(jax.random.key(0), nodes, logits, gamma, sampling.Sampling())
     assert int(k[0]) == gamma
     assert np.asarray(emitted)[0].tolist() == greedy[: gamma + 1]
     cache = tree.compact(cache, path, k)
@@ -138,7 +138,6 @@ def test_one_compile_per_tree_size(model):
     (dict(tree=2.0), "tree must be an int"),
     (dict(tree=4, method="ar"), "needs method 's3d'"),
     (dict(tree=4, method="selfspec"), "needs method 's3d'"),
-    (dict(tree=4, temperature=0.7), "greedy-only"),
     (dict(tree=200), "more nodes than the 95 tokens"),
     (dict(tree=60, max_len=64), "tree 60"),
 ])
@@ -166,7 +165,8 @@ def test_a_drafter_default_tree_is_used_for_greedy_s3d_only(model):
 
     assert plan().tree == 6
     assert plan(tree=0).tree == 0 and plan(tree=9).tree == 9, "an explicit size wins; 0 is the chain"
-    assert plan(temperature=0.7).tree == 0, "sampling drafts the chain: trees are greedy-only"
+    assert plan(temperature=0.7).tree == 0, "the default tree is for greedy S3D; sampling drafts the chain"
+    assert plan(temperature=0.7, tree=5).tree == 5, "an explicit tree samples too"
     assert plan(method="selfspec").tree == 0 and plan(method="ar").tree == 0
     out = s3d_jax.decode(drafted, [1, 2, 3], max_new_tokens=12, eos_token_ids=())
     assert out.stats.tree == 6 and "s3d (tree 6):" in out.stats.summary()

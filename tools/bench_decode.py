@@ -8,6 +8,8 @@ It measures, each engine in its own process so that peak memory is its own (s3d_
 again; transformers' is the bench's peer process, which never loads JAX):
   - s3d_jax plain greedy against transformers' PyTorch greedy `generate` on the same chat prompts
     and the same weights (exported with `tools/convert_hf.py --to-hf`);
+  - memory: each s3d_jax method alone in a fresh process (load, decode the prompts), its resident
+    memory after JAX starts, after the model loads and after decoding, and its peak;
   - the cost of one pass: a plain step, an S3D draft pass for several γ, a verify pass of γ+1 tokens,
     each against a plain step and against its memory floor (the bytes it must read / the streaming
     bandwidth that a probe over a buffer the size of the weights measures in the same run);
@@ -36,6 +38,7 @@ from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
 from s3d_jax.options import DEFAULT_GAMMA, DecodeOptions, add_arguments, add_model_arguments, default_skip, load_arguments
 from s3d_jax.predict import draft_ratio
 
+METHODS = ("ar", "selfspec", "s3d")
 PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that checks whether a string is a palindrome.",
@@ -54,9 +57,11 @@ def chat_prompts(count: int) -> dict[str, list[dict]]:
 
 
 def run_jax(request: dict) -> dict:
-    """The s3d_jax engine, in a process of its own: the pass costs, then each method on the prompts.
-    `request` holds this command's arguments."""
+    """The s3d_jax engine, in a process of its own: with `memory_of` set, that one method's memory;
+    else the pass costs, then each method on the prompts. `request` holds this command's arguments."""
     args = argparse.Namespace(**request)
+    if args.memory_of:
+        return method_memory(args)
     model = api.load(**load_arguments(args), dtype=args.dtype)
     cfg = model.config
     skip = tuple(args.skip) if args.skip else cfg.draft_skip or default_skip(cfg.num_layers)
@@ -78,7 +83,7 @@ def run_jax(request: dict) -> dict:
     # No EOS: every prompt runs to max_new_tokens, as transformers does below with min_new_tokens.
     decode = DecodeOptions.from_args(args, chat=True, eos_token_ids=(), skip=skip, tree=None)  # trees: --trees
     rows, outputs = {}, {}
-    for method in tqdm(("ar", "selfspec", "s3d"), desc="methods", disable=args.quiet):
+    for method in tqdm(METHODS, desc="methods", disable=args.quiet):
         decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method=method))
         outputs[method] = [r["tokens"] for r in decoded.records]
         rows[method] = {
@@ -89,12 +94,26 @@ def run_jax(request: dict) -> dict:
             "acceptance_per_depth": acceptance_per_depth(decoded.histogram),
         }
     result["methods"] = rows
-    result["peak_rss_mib"] = harness.peak_rss_mib()  # before the sweep, which loads the model again
     result["tree_sweep"] = [tree_point(model, args, n, skip, decode, passes["plain step (1 token)"], rows["ar"], outputs["ar"])
                             for n in tqdm(args.trees, desc="trees", disable=args.quiet)]
     result["draft_vocab_sweep"] = [draft_vocab_point(args, n, skip, decode, passes["plain step (1 token)"], rows["ar"], outputs["ar"])
                                    for n in tqdm(args.draft_vocabs, desc="draft vocabularies", disable=args.quiet)]
     return result
+
+
+def method_memory(args) -> dict:
+    """One method alone in this fresh process: resident MiB once JAX is up, after loading the model,
+    after decoding the prompts (compiles included), and the peak."""
+    jax.devices()
+    stages = {"JAX runtime": harness.rss_mib()}
+    model = api.load(**load_arguments(args), dtype=args.dtype)
+    stages["model loaded"] = harness.rss_mib()
+    skip = tuple(args.skip) if args.skip else model.config.draft_skip or default_skip(model.config.num_layers)
+    decode = DecodeOptions.from_args(args, chat=True, eos_token_ids=(), skip=skip, tree=None)
+    decode_prompts(model, chat_prompts(args.prompts), decode.replace(method=args.memory_of))
+    stages["after decoding"] = harness.rss_mib()
+    weights = sum(x.nbytes for x in jax.tree.leaves(model.params)) / 2**20
+    return {"stages_mib": stages, "peak_rss_mib": harness.peak_rss_mib(), "weights_mib": weights}
 
 
 def tree_point(model, args, size: int, skip, decode: DecodeOptions, step_ms: float, plain: dict, plain_outputs: list) -> dict:
@@ -151,10 +170,11 @@ def render(jax_result: dict, hf_result: dict | None, args, llama_cpp: dict | Non
         "| engine / method | tokens/s | speed vs s3d_jax plain | tokens/iteration | acceptance per depth | peak RSS (MiB) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
+    memory = jax_result["memory"]
     for name, row in methods.items():
         depth = " ".join(f"{a:.2f}" for a in row["acceptance_per_depth"]) or "-"
         lines.append(f"| s3d_jax {name} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / base:.2f}x | "
-                     f"{row['tokens_per_iteration']:.2f} | {depth} | {jax_result['peak_rss_mib']:.0f} |")
+                     f"{row['tokens_per_iteration']:.2f} | {depth} | {memory[name]['peak_rss_mib']:.0f} |")
     for name, row in (llama_cpp or {}).items():
         lines.append(f"| llama.cpp {row['version']} {name} (GGUF as shipped) | {row['tokens_per_s']:.1f} | "
                      f"{row['tokens_per_s'] / base:.2f}x | - | - | {row['peak_rss_mib']:.0f} |")
@@ -163,7 +183,11 @@ def render(jax_result: dict, hf_result: dict | None, args, llama_cpp: dict | Non
                      f"{hf_result['tokens_per_s'] / base:.2f}x | 1.00 | - | {hf_result['peak_rss_mib']:.0f} |")
         lines.append("")
         lines.append(f"s3d_jax plain greedy / transformers greedy: **{base / hf_result['tokens_per_s']:.2f}x** tokens/s, "
-                     f"{jax_result['peak_rss_mib'] / hf_result['peak_rss_mib']:.2f}x peak memory.")
+                     f"{memory['ar']['peak_rss_mib'] / hf_result['peak_rss_mib']:.2f}x peak memory.")
+    lines += ["", f"Resident memory of each method alone in a fresh process (MiB; float weights {memory['ar']['weights_mib']:.0f}):", "",
+              "| method | " + " | ".join(memory["ar"]["stages_mib"]) + " | peak |", "| --- " * (len(memory["ar"]["stages_mib"]) + 2) + "|"]
+    for name, row in memory.items():
+        lines.append(f"| {name} | " + " | ".join(f"{v:.0f}" for v in row["stages_mib"].values()) + f" | {row['peak_rss_mib']:.0f} |")
     lines += ["", f"Pass cost at a context of {args.context} tokens (ms per pass, {args.repeats} passes in one jitted loop). "
               f"The floor is the bytes a pass must read (weights, head, cached keys and values) over the streaming bandwidth, "
               f"{jax_result['bandwidth_gb_s']:.1f} GB/s by a probe in the same run:", "",
@@ -251,6 +275,7 @@ def parse_args(argv=None):
     p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the bundled SmolLM2's)")
     p.add_argument("--out", default="results")
     p.add_argument("--quiet", action="store_true")
+    p.set_defaults(memory_of=None)  # set in the request of a memory process
     p.add_argument("--engine", nargs=2, metavar=("REQUEST", "RESULT"), help=argparse.SUPPRESS)  # the s3d_jax engine's process
     return p.parse_args(argv)
 
@@ -267,6 +292,8 @@ def main(argv=None) -> int:
             return 2
     args.model_dir = args.model or str(bundled.ensure_converted())  # for transformers and llama.cpp's tokenizer
     results = {"jax": harness.run_engine([__file__, "--engine"], vars(args))}
+    results["jax"]["memory"] = {method: harness.run_engine([__file__, "--engine"], {**vars(args), "memory_of": method})
+                                for method in tqdm(METHODS, desc="memory, one process per method", disable=args.quiet)}
     if args.llama_cpp:
         results["llama_cpp"] = {"greedy": run_llama_cpp(args, lookup=False), "prompt lookup": run_llama_cpp(args, lookup=True)}
     if not args.skip_hf:

@@ -68,7 +68,7 @@ def method_request(method: str, load: dict, prompts: dict, decode: DecodeOptions
     """What a method's process (s3d_jax.bench.methods) runs: s3d_sample samples, the others are greedy;
     greedy s3d verifies a tree of `tree` nodes when one is given."""
     if method == "s3d_sample":
-        decode = decode.replace(method="s3d")  # with the chain: trees are greedy-only
+        decode = decode.replace(method="s3d")  # the chain: the drafter's default tree is for greedy s3d
     else:
         decode = decode.replace(method=method, temperature=0.0, top_k=0, top_p=1.0, tree=tree if method == "s3d" else None)
     return {"load": load, "prompts": prompts, "options": dataclasses.asdict(decode)}

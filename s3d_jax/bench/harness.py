@@ -36,6 +36,17 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def rss_mib() -> float:
+    """This process's resident memory now (Linux); elsewhere its peak so far."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return peak_rss_mib()
+
+
 def export_for_transformers(model_dir: str, out: str) -> str:
     """Writes the model under test as a transformers directory, in a child process so that this one
     stays free of the weights."""

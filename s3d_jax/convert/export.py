@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors.numpy import save_file
-
-from s3d_jax.checkpoint import Model, atomic_dir
+from s3d_jax.checkpoint import Model, atomic_dir, save_safetensors
 from s3d_jax.config import ModelConfig, RopeScaling
 from s3d_jax.convert.layout import params_to_hf
 from s3d_jax.convert.mask_row import hf_vocab_rows, unpad_vocab
@@ -33,7 +31,7 @@ def export_hf(model: Model, out: str | Path, overwrite: bool = False) -> Path:
     with atomic_dir(out, overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=1))
         (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": list(model.config.eos_token_ids)}))
-        save_file(params_to_hf(params, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(params_to_hf(params, config), tmp / "model.safetensors", metadata={"format": "pt"})
         if model.tokenizer is not None:
             model.tokenizer.save_pretrained(str(tmp))
     return Path(out).absolute()
