@@ -65,7 +65,8 @@ def run_jax(request: dict) -> dict:
     model = api.load(**load_arguments(args), dtype=args.dtype)
     cfg = model.config
     skip = tuple(args.skip) if args.skip else cfg.draft_skip or default_skip(cfg.num_layers)
-    result = {"device": str(jax.devices()[0]), "model": cfg.architecture, "layers": cfg.num_layers, "skip": skip, "dtype": cfg.dtype}
+    result = {"device": str(jax.devices()[0]), "model": cfg.architecture, "layers": cfg.num_layers, "skip": skip, "dtype": cfg.dtype,
+              "s3d_tree": cfg.draft_tree}  # the drafter's default, which the methods' S3D row uses
 
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
     result["bandwidth_gb_s"] = timing.bandwidth_gb_s(weight_bytes)
@@ -165,7 +166,8 @@ def render(jax_result: dict, hf_result: dict | None, args, llama_cpp: dict | Non
     base = methods["ar"]["tokens_per_s"]
     lines = [
         f"Device: {jax_result['device']}; {jax_result['dtype']}; {args.prompts} chat prompts x {args.max_new_tokens} new tokens, batch 1; "
-        f"skip {list(jax_result['skip'])}, gamma {args.gamma}.",
+        f"skip {list(jax_result['skip'])}, gamma {args.gamma}; "
+        f"S3D drafts {f'a tree of {tree} nodes' if (tree := jax_result.get('s3d_tree')) else 'the argmax chain'}.",
         "",
         "| engine / method | tokens/s | speed vs s3d_jax plain | tokens/iteration | acceptance per depth | peak RSS (MiB) |",
         "| --- | --- | --- | --- | --- | --- |",
