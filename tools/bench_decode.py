@@ -64,12 +64,12 @@ def run_jax(request: dict) -> dict:
         return method_memory(args)
     model = api.load(**load_arguments(args), dtype=args.dtype)
     cfg = model.config
-    skip = tuple(args.skip) if args.skip else cfg.draft_skip or default_skip(cfg.num_layers)
+    decode = greedy_options(args, cfg)
+    skip = decode.skip
     result = {"device": str(jax.devices()[0]), "model": cfg.architecture, "layers": cfg.num_layers, "skip": skip, "dtype": cfg.dtype,
               "s3d_tree": cfg.draft_tree}  # the drafter's default, which the methods' S3D row uses
 
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
-    result["bandwidth_gb_s"] = timing.bandwidth_gb_s(weight_bytes)
+    result["bandwidth_gb_s"] = timing.bandwidth_gb_s(param_bytes(model.params))
     passes = {"plain step (1 token)": timing.verify_ms(model, 1, context=args.context, repeats=args.repeats)}
     full_bytes = timing.pass_bytes(model.params, cfg, cfg.all_layers, args.context)
     floor_bytes = {"plain step (1 token)": full_bytes}
@@ -81,8 +81,6 @@ def run_jax(request: dict) -> dict:
     result["pass_ms"] = passes
     result["pass_floor_ms"] = {name: b / result["bandwidth_gb_s"] / 1e6 for name, b in floor_bytes.items()}
 
-    # No EOS: every prompt runs to max_new_tokens, as transformers does below with min_new_tokens.
-    decode = DecodeOptions.from_args(args, chat=True, eos_token_ids=(), skip=skip, tree=None)  # trees: --trees
     rows, outputs = {}, {}
     for method in tqdm(METHODS, desc="methods", disable=args.quiet):
         decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method=method))
@@ -109,12 +107,21 @@ def method_memory(args) -> dict:
     stages = {"JAX runtime": harness.rss_mib()}
     model = api.load(**load_arguments(args), dtype=args.dtype)
     stages["model loaded"] = harness.rss_mib()
-    skip = tuple(args.skip) if args.skip else model.config.draft_skip or default_skip(model.config.num_layers)
-    decode = DecodeOptions.from_args(args, chat=True, eos_token_ids=(), skip=skip, tree=None)
-    decode_prompts(model, chat_prompts(args.prompts), decode.replace(method=args.memory_of))
+    decode_prompts(model, chat_prompts(args.prompts), greedy_options(args, model.config).replace(method=args.memory_of))
     stages["after decoding"] = harness.rss_mib()
-    weights = sum(x.nbytes for x in jax.tree.leaves(model.params)) / 2**20
-    return {"stages_mib": stages, "peak_rss_mib": harness.peak_rss_mib(), "weights_mib": weights}
+    return {"stages_mib": stages, "peak_rss_mib": harness.peak_rss_mib(), "weights_mib": param_bytes(model.params) / 2**20}
+
+
+def greedy_options(args, config) -> DecodeOptions:
+    """The options every method decodes the prompts with: the command's skip range, else the
+    drafter's, else the middle half; no EOS, so every prompt runs to max_new_tokens, as transformers
+    does below with min_new_tokens; S3D's tree is the drafter's default (sizes to sweep: --trees)."""
+    skip = tuple(args.skip) if args.skip else config.draft_skip or default_skip(config.num_layers)
+    return DecodeOptions.from_args(args, chat=True, eos_token_ids=(), skip=skip, tree=None)
+
+
+def param_bytes(params) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(params))
 
 
 def tree_point(model, args, size: int, skip, decode: DecodeOptions, step_ms: float, plain: dict, plain_outputs: list) -> dict:
