@@ -138,6 +138,13 @@ class ModelConfig:
         return DTYPES[self.dtype]
 
     @property
+    def precision(self) -> str:
+        """Every contraction's precision. Float32 weights get true float32 matmuls: a GPU's default
+        rounds their operands to TF32 (10 mantissa bits), which a pass of several tokens and a step
+        of one round differently, enough to change greedy tokens. A CPU computes float32 either way."""
+        return "highest" if self.dtype == "float32" else "default"
+
+    @property
     def all_layers(self) -> tuple[int, ...]:
         return tuple(range(self.num_layers))
 

@@ -44,14 +44,15 @@ class DraftLoRA(nn.Module):
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     dtype: jnp.dtype
+    precision: str
 
     @nn.compact
     def __call__(self, x):
         a = self.param("a", init_normal, (*self.in_shape, self.rank), self.dtype)
         b = self.param("b", nn.initializers.zeros, (self.rank, *self.out_shape), self.dtype)
         n_in = len(self.in_shape)
-        low = jnp.tensordot(x, a, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))))
-        return jnp.tensordot(low, b, axes=1)
+        low = jnp.tensordot(x, a, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), precision=self.precision)
+        return jnp.tensordot(low, b, axes=1, precision=self.precision)
 
 
 def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool, bias: bool = False):
@@ -59,11 +60,11 @@ def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool, bi
     c = module.config
     w = module.param(name, init_normal, (*in_shape, *out_shape), c.jnp_dtype)
     n_in = len(in_shape)
-    y = jnp.tensordot(x, w, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))))
+    y = jnp.tensordot(x, w, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), precision=c.precision)
     if bias:
         y = y + module.param(f"{name}_bias", nn.initializers.zeros, tuple(out_shape), c.jnp_dtype)
     if c.draft_lora_rank:
-        lora = DraftLoRA(c.draft_lora_rank, tuple(in_shape), tuple(out_shape), c.jnp_dtype, name=f"{name}_lora")
+        lora = DraftLoRA(c.draft_lora_rank, tuple(in_shape), tuple(out_shape), c.jnp_dtype, c.precision, name=f"{name}_lora")
         if draft or module.is_initializing():
             y = y + lora(x)
     return y
@@ -147,8 +148,8 @@ class Attention(nn.Module):
         k_BKTE, v_BKET = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 3, 1)
         context_k_BKSE, context_v_BKES = context_kv
         f32, scale = jnp.float32, (c.query_pre_attn_scalar or E) ** -0.5
-        scores_ctx = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, context_k_BKSE, preferred_element_type=f32) * scale
-        scores_blk = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKTE, preferred_element_type=f32) * scale
+        scores_ctx = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, context_k_BKSE, preferred_element_type=f32, precision=c.precision) * scale
+        scores_blk = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKTE, preferred_element_type=f32, precision=c.precision) * scale
         scores_ctx, scores_blk = softcap(scores_ctx, c.attn_softcap), softcap(scores_blk, c.attn_softcap)
         window = c.layer_window(self.layer)
         q_pos_BT1 = positions_BT[:, :, None]
@@ -163,8 +164,8 @@ class Attention(nn.Module):
             axis=-1,
         )
         probs = jax.nn.softmax(scores, axis=-1).astype(x_BTD.dtype)
-        out_BTKGE = jnp.einsum("bkgts,bkes->btkge", probs[..., :S], context_v_BKES) + jnp.einsum(
-            "bkgts,bkes->btkge", probs[..., S:], v_BKET
+        out_BTKGE = jnp.einsum("bkgts,bkes->btkge", probs[..., :S], context_v_BKES, precision=c.precision) + jnp.einsum(
+            "bkgts,bkes->btkge", probs[..., S:], v_BKET, precision=c.precision
         )
         out_BTD = linear(self, "o", out_BTKGE.reshape(B, T, H, E), (H, E), (D,), draft)
         return out_BTD, (k_BKTE, v_BKET)
@@ -263,11 +264,12 @@ class Transformer(nn.Module):
     def logits(self, hidden_BTD):
         """Float32 logits over the whole embedding table (the mask row included)."""
         head_DV = self.embedding if self.config.tie_embeddings else self.lm_head
-        return jnp.einsum("btd,dv->btv", hidden_BTD, head_DV, preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,dv->btv", hidden_BTD, head_DV, preferred_element_type=jnp.float32, precision=self.config.precision)
 
     def reduced_logits(self, hidden_BTD):
         """Float32 logits over the draft vocabulary only, `[B, T, draft_vocab_size]`."""
-        return jnp.einsum("btd,dn->btn", hidden_BTD, self.draft_head, preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,dn->btn", hidden_BTD, self.draft_head, preferred_element_type=jnp.float32,
+                          precision=self.config.precision)
 
     def full(self, tokens_BT, positions_BT, mask_BTT):
         """All layers over `tokens` with nothing before them (prompt pass, training target, `logits`)."""

@@ -31,9 +31,9 @@ import jax
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from s3d_jax import api, bundled
+from s3d_jax import api, bundled, compile_cache
 from s3d_jax.bench import harness, llama_cpp_peer, timing
-from s3d_jax.bench.methods import decode_prompts
+from s3d_jax.bench.methods import decode_prompts, memory_now_mib, peak_memory_mib
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
 from s3d_jax.options import DEFAULT_GAMMA, DecodeOptions, add_arguments, add_model_arguments, default_skip, load_arguments
 from s3d_jax.predict import draft_ratio
@@ -60,6 +60,7 @@ def run_jax(request: dict) -> dict:
     """The s3d_jax engine, in a process of its own: with `memory_of` set, that one method's memory;
     else the pass costs, then each method on the prompts. `request` holds this command's arguments."""
     args = argparse.Namespace(**request)
+    compile_cache.enable()  # the memory processes load the executables the first process compiled
     if args.memory_of:
         return method_memory(args)
     model = api.load(**load_arguments(args), dtype=args.dtype)
@@ -101,15 +102,16 @@ def run_jax(request: dict) -> dict:
 
 
 def method_memory(args) -> dict:
-    """One method alone in this fresh process: resident MiB once JAX is up, after loading the model,
-    after decoding the prompts (compiles included), and the peak."""
+    """One method alone in this fresh process: memory (the device's on a GPU, else resident) once
+    JAX is up, after loading the model, after decoding the prompts (compiles included), and the peak."""
     jax.devices()
-    stages = {"JAX runtime": harness.rss_mib()}
+    stages = {"JAX runtime": memory_now_mib()}
     model = api.load(**load_arguments(args), dtype=args.dtype)
-    stages["model loaded"] = harness.rss_mib()
+    stages["model loaded"] = memory_now_mib()
     decode_prompts(model, chat_prompts(args.prompts), greedy_options(args, model.config).replace(method=args.memory_of))
-    stages["after decoding"] = harness.rss_mib()
-    return {"stages_mib": stages, "peak_rss_mib": harness.peak_rss_mib(), "weights_mib": param_bytes(model.params) / 2**20}
+    stages["after decoding"] = memory_now_mib()
+    peak, kind = peak_memory_mib()
+    return {"stages_mib": stages, "peak_mib": peak, "memory_kind": kind, "weights_mib": param_bytes(model.params) / 2**20}
 
 
 def greedy_options(args, config) -> DecodeOptions:
@@ -155,7 +157,7 @@ def run_hf(args, hf_model: str) -> dict:
     result = harness.run_engine(["-m", "s3d_jax.bench.peers"], request)
     tokens, seconds = sum(len(r["tokens"]) for r in result["records"]), sum(r["seconds"] for r in result["records"])
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "peak_rss_mib": result["peak_memory_mib"], "torch": result["torch"]}
+            "peak_mib": result["peak_memory_mib"], "torch": result["torch"]}
 
 
 def run_llama_cpp(args, lookup: bool) -> dict:
@@ -164,39 +166,40 @@ def run_llama_cpp(args, lookup: bool) -> dict:
                "max_new_tokens": args.max_new_tokens, "lookup": lookup, "stop_at_eos": False}
     result = harness.run_engine(["-m", "s3d_jax.bench.llama_cpp_peer"], request)
     tokens, seconds = sum(len(r["tokens"]) for r in result["records"]), sum(r["seconds"] for r in result["records"])
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_rss_mib": result["peak_memory_mib"],
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_mib": result["peak_memory_mib"],
             "version": result["llama_cpp"]}
 
 
 def render(jax_result: dict, hf_result: dict | None, args, llama_cpp: dict | None = None) -> str:
-    methods = jax_result["methods"]
+    methods, memory = jax_result["methods"], jax_result["memory"]
     base = methods["ar"]["tokens_per_s"]
+    memory_kind = "device" if memory["ar"]["memory_kind"] == "device peak" else "resident"
     lines = [
         f"Device: {jax_result['device']}; {jax_result['dtype']}; {args.prompts} chat prompts x {args.max_new_tokens} new tokens, batch 1; "
         f"skip {list(jax_result['skip'])}, gamma {args.gamma}; "
         f"S3D drafts {f'a tree of {tree} nodes' if (tree := jax_result.get('s3d_tree')) else 'the argmax chain'}.",
         "",
-        "| engine / method | tokens/s | speed vs s3d_jax plain | tokens/iteration | acceptance per depth | peak RSS (MiB) |",
+        f"| engine / method | tokens/s | speed vs s3d_jax plain | tokens/iteration | acceptance per depth | peak MiB ({memory_kind}) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    memory = jax_result["memory"]
     for name, row in methods.items():
         depth = " ".join(f"{a:.2f}" for a in row["acceptance_per_depth"]) or "-"
         lines.append(f"| s3d_jax {name} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / base:.2f}x | "
-                     f"{row['tokens_per_iteration']:.2f} | {depth} | {memory[name]['peak_rss_mib']:.0f} |")
+                     f"{row['tokens_per_iteration']:.2f} | {depth} | {memory[name]['peak_mib']:.0f} |")
     for name, row in (llama_cpp or {}).items():
         lines.append(f"| llama.cpp {row['version']} {name} (GGUF as shipped) | {row['tokens_per_s']:.1f} | "
-                     f"{row['tokens_per_s'] / base:.2f}x | - | - | {row['peak_rss_mib']:.0f} |")
+                     f"{row['tokens_per_s'] / base:.2f}x | - | - | {row['peak_mib']:.0f} |")
     if hf_result:
         lines.append(f"| transformers {hf_result['torch']} generate (greedy) | {hf_result['tokens_per_s']:.1f} | "
-                     f"{hf_result['tokens_per_s'] / base:.2f}x | 1.00 | - | {hf_result['peak_rss_mib']:.0f} |")
+                     f"{hf_result['tokens_per_s'] / base:.2f}x | 1.00 | - | {hf_result['peak_mib']:.0f} |")
         lines.append("")
         lines.append(f"s3d_jax plain greedy / transformers greedy: **{base / hf_result['tokens_per_s']:.2f}x** tokens/s, "
-                     f"{memory['ar']['peak_rss_mib'] / hf_result['peak_rss_mib']:.2f}x peak memory.")
-    lines += ["", f"Resident memory of each method alone in a fresh process (MiB; float weights {memory['ar']['weights_mib']:.0f}):", "",
+                     f"{memory['ar']['peak_mib'] / hf_result['peak_mib']:.2f}x peak memory.")
+    weights = memory["ar"]["weights_mib"]
+    lines += ["", f"Memory of each method alone in a fresh process (MiB, {memory_kind}; float weights {weights:.0f}):", "",
               "| method | " + " | ".join(memory["ar"]["stages_mib"]) + " | peak |", "| --- " * (len(memory["ar"]["stages_mib"]) + 2) + "|"]
     for name, row in memory.items():
-        lines.append(f"| {name} | " + " | ".join(f"{v:.0f}" for v in row["stages_mib"].values()) + f" | {row['peak_rss_mib']:.0f} |")
+        lines.append(f"| {name} | " + " | ".join(f"{v:.0f}" for v in row["stages_mib"].values()) + f" | {row['peak_mib']:.0f} |")
     lines += ["", f"Pass cost at a context of {args.context} tokens (ms per pass, {args.repeats} passes in one jitted loop). "
               f"The floor is the bytes a pass must read (weights, head, cached keys and values) over the streaming bandwidth, "
               f"{jax_result['bandwidth_gb_s']:.1f} GB/s by a probe in the same run:", "",

@@ -54,6 +54,12 @@ def peak_memory_mib() -> tuple[float, str]:
     return harness.peak_rss_mib(), "process peak RSS"
 
 
+def memory_now_mib() -> float:
+    """The device's memory in use where it reports it (GPU), else this process's resident memory."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats["bytes_in_use"] / 2**20 if "bytes_in_use" in stats else harness.rss_mib()
+
+
 def run_method(request: dict) -> dict:
     """One method of the comparison table: `load` (`s3d_jax.load` keywords), `prompts` and `options`
     (a DecodeOptions as a dict) -> every turn's record and the peak memory."""
