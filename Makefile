@@ -7,6 +7,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 LIMIT ?= 10
 PROMPT ?= What is the capital of France? Answer in one sentence.
+# Test processes (pytest-xdist), one test file each: 2 fits the 2-core CI machine (17:46 against 24:47 serially there).
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast lint bench install
 
@@ -29,10 +31,10 @@ lint: install
 	$(PY) -m ruff check .
 
 test: lint
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(PY) -m s3d_jax.bench --suite mt_bench,humaneval,news --limit $(LIMIT)
