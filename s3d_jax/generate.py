@@ -27,7 +27,6 @@ def parse_args(argv=None):
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     options.add_model_arguments(p)
     options.add_arguments(p)
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--chunk", type=positive_int, default=4, help="iterations between streamed updates")
     p.add_argument("--compare", action="store_true", help="also decode plainly (method ar) and report the speed ratio")
     return p.parse_args(argv)
@@ -38,7 +37,7 @@ def main(argv=None) -> int:
     try:
         decode_options = options.DecodeOptions.from_args(args)  # checked before the model loads
         compile_cache.enable()
-        model = load(**options.load_arguments(args), dtype=args.dtype)
+        model = load(**options.load_arguments(args))
         chunks = stream(model, args.prompt, decode_options, chunk_iterations=args.chunk)
         shown = ""
         for chunk in chunks:

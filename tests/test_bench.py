@@ -130,3 +130,19 @@ def test_llama_cpp_peer_missing_names_the_extra(monkeypatch, tmp_path):
     checkpoint.save(tmp_path / "model", model.params, model.config)
     with pytest.raises(BenchError, match=r"s3d-jax\[llama\]"):
         main(["--model", str(tmp_path / "model"), "--suite", "mt_bench", "--limit", "1", "--peers", "llama_cpp", "--out", str(tmp_path)])
+
+
+def test_every_command_line_passes_its_dtype_to_load():
+    """`--dtype` is one model flag: generate, the bench and bench_decode all hand it to `s3d_jax.load`."""
+    import importlib.util
+
+    from s3d_jax import generate
+    from s3d_jax.bench import __main__ as bench
+    from s3d_jax.options import load_arguments
+
+    spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).parents[1] / "tools" / "bench_decode.py")
+    bench_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_decode)
+    for parse, argv in ((generate.parse_args, ["--prompt", "hi"]), (bench.parse_args, []), (bench_decode.parse_args, [])):
+        assert load_arguments(parse(argv))["dtype"] is None
+        assert load_arguments(parse([*argv, "--dtype", "bfloat16"]))["dtype"] == "bfloat16"

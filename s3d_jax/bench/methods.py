@@ -66,7 +66,8 @@ def run_method(request: dict) -> dict:
     model = api.load(**request["load"])
     decoded = decode_prompts(model, request["prompts"], DecodeOptions(**request["options"]))
     memory, kind = peak_memory_mib()
-    return {"records": decoded.records, "peak_memory_mib": memory, "memory_kind": kind}
+    return {"records": decoded.records, "peak_memory_mib": memory, "memory_kind": kind, "device": jax.devices()[0].device_kind,
+            "dtype": model.config.dtype}
 
 
 if __name__ == "__main__":
