@@ -206,3 +206,21 @@ def test_the_default_tree_round_trips_and_older_files_have_none(tmp_path):
     del meta["tree"]
     save_file(load_file(str(path)), str(path), metadata={"s3d_drafter": json.dumps(meta)})
     assert drafter.load_file(path).tree == 0 and drafter.apply(base, path).config.draft_tree == 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_loading_in_another_dtype_casts_while_reading(tmp_path, dtype):
+    """`load(dtype=...)` casts the stored float32 leaves while reading them: bit for bit what casting
+    after loading gives, and the draft vocabulary's ids stay integers."""
+    from s3d_jax import checkpoint
+    from s3d_jax.model import cast_params
+
+    base = tiny_model()
+    ranking = np.array([i for i in range(base.config.output_vocab_size or base.config.vocab_size) if i != base.config.mask_token_id])
+    params, config = drafter.with_draft_vocab(base.params, base.config, ranking, 16)
+    checkpoint.save(tmp_path / "model", params, config)
+    loaded = checkpoint.load(tmp_path / "model", dtype)
+    assert loaded.config.dtype == dtype and loaded.params["draft_vocab"].dtype == jnp.int32
+    expected = cast_params(checkpoint.load(tmp_path / "model").params, jnp.dtype(dtype))
+    for got, want in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(expected), strict=True):
+        assert got.dtype == want.dtype and bool((got == want).all())
