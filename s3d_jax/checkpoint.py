@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from safetensors.numpy import save_file
 
 from s3d_jax.config import DTYPES, ConfigError, ModelConfig
-from s3d_jax.model import abstract_params
+from s3d_jax.model import abstract_params, cast_dtype
 
 CONFIG_FILE = "s3d_config.json"
 PARAMS_DIR = "params"
@@ -153,7 +152,9 @@ def load(path: str | os.PathLike, dtype: str | None = None) -> Model:
             # A sharding on the target makes orbax restore device arrays, not numpy copies; a dtype
             # on it casts while reading, so the stored dtype is never held whole beside the new one.
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, restored_dtype(x.dtype, dtype), sharding=device), expected)
+            target = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, cast_dtype(x.dtype, DTYPES[dtype]) if dtype else x.dtype, sharding=device), expected
+            )
             params = ckptr.restore(path / PARAMS_DIR, target)
     except CheckpointError:
         raise
@@ -162,12 +163,6 @@ def load(path: str | os.PathLike, dtype: str | None = None) -> Model:
     if dtype is not None:
         config = config.replace(dtype=dtype)
     return Model(params, config, load_tokenizer(path))
-
-
-def restored_dtype(stored, dtype: str | None):
-    """What a stored leaf is read as: floating leaves in `dtype` when one is asked for; integer leaves (the draft
-    vocabulary's token ids) as stored."""
-    return DTYPES[dtype] if dtype is not None and jnp.issubdtype(stored, jnp.floating) else stored
 
 
 def load_tokenizer(path: Path):

@@ -294,9 +294,13 @@ def default_draft_vocab(config: ModelConfig):
     return jnp.asarray(ids[ids != config.mask_token_id][: config.draft_vocab_size], jnp.int32)
 
 
+def cast_dtype(leaf_dtype, dtype):
+    """A leaf's dtype once cast to `dtype`: floating-point leaves take it; the draft vocabulary's token ids stay integers."""
+    return dtype if jnp.issubdtype(leaf_dtype, jnp.floating) else leaf_dtype
+
+
 def cast_params(params, dtype):
-    """Floating-point leaves to `dtype`; the draft vocabulary's token ids stay integers."""
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    return jax.tree.map(lambda x: x.astype(cast_dtype(x.dtype, dtype)), params)
 
 
 def causal_inputs(tokens_BT):
