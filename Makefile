@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 LIMIT ?= 10
 PROMPT ?= What is the capital of France? Answer in one sentence.
-# Test processes (pytest-xdist), one test file each: 2 fits the 2-core CI machine (17-22 min against 25 serially there).
+# Test processes (pytest-xdist), one test file each: 2 fits the 2-core CI machine (17-23 min against 25 serially there).
 TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast lint bench install
