@@ -8,6 +8,7 @@ cache included, is donated: the cache is updated in place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import flax.struct
@@ -70,7 +71,7 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
     n = state.cache.lengths
     x_n = jnp.take_along_axis(state.tokens, n[:, None], axis=1)[:, 0]
     rng, draft_rng, accept_rng = jax.random.split(state.rng, 3)
-    drafts, draft_logits, cache = draft(params, config, plan, state.cache, x_n, draft_rng)
+    drafts, draft_logits, cache = draft(params, config, plan, state.cache, x_n, draft_rng, state.tokens)
     if plan.tree:
         nodes = tree.build(x_n, draft_logits, plan.tree)
         target_logits, cache = tree.verify(params, config, cache, nodes, G)
@@ -119,18 +120,37 @@ _prefill_jit = jax.jit(prefill, static_argnames=("config", "plan", "max_len"))
 _advance_jit = jax.jit(advance, static_argnames=("config", "plan"), donate_argnames="state")
 
 
+# XLA's CPU backend hands dots to the YNNPACK library by default. Its kernels are the faster ones for
+# training's matmuls of thousands of rows, but for the decode loop's few rows against large weights
+# XLA's own dot emitter is faster (verify of 5 tokens about 20% cheaper; README, "Passes on the CPU").
+FEW_ROW_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.cache
+def few_row_compiler_options() -> dict | None:
+    """Compiler options for passes of a few tokens per row (the decode loop, the pass timings): on a
+    CPU, `FEW_ROW_CPU_OPTIONS` if this jaxlib knows them; elsewhere none."""
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        jax.jit(lambda x: x + 1).lower(1).compile(FEW_ROW_CPU_OPTIONS)
+    except Exception:  # a jaxlib without YNNPACK, or with the option renamed: its default dots
+        return None
+    return FEW_ROW_CPU_OPTIONS
+
+
 _executables: dict = {}
 
 
-def compiled(fn, *args, **statics):
+def compiled(fn, *args, compiler_options: dict | None = None, **statics):
     """`fn` compiled ahead of time for the shapes of `args` (cached); returns (executable, compile seconds)."""
     leaves, treedef = jax.tree.flatten(args)
     shapes = tuple((tuple(x.shape), x.dtype) for x in leaves)
-    key = (fn, tuple(sorted(statics.items())), treedef, shapes)
+    key = (fn, tuple(sorted(statics.items())), treedef, shapes, tuple(sorted((compiler_options or {}).items())))
     if key in _executables:
         return _executables[key], 0.0
     start = time.perf_counter()
-    _executables[key] = fn.lower(*args, **statics).compile()
+    _executables[key] = fn.lower(*args, **statics).compile(compiler_options)
     return _executables[key], time.perf_counter() - start
 
 
@@ -177,7 +197,8 @@ class Run:
         # The loop state's shapes, read off the executable rather than traced a second time.
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prefill_exe.out_info)
         stop = jax.ShapeDtypeStruct((), jnp.int32)
-        advance_exe, advance_seconds = compiled(_advance_jit, self.params, state, stop, **statics)
+        advance_exe, advance_seconds = compiled(_advance_jit, self.params, state, stop, compiler_options=few_row_compiler_options(),
+                                                **statics)
         self._executables = (prefill_exe, advance_exe)
         self.compile_seconds = prefill_seconds + advance_seconds
 

@@ -266,6 +266,12 @@ class Transformer(nn.Module):
         head_DV = self.embedding if self.config.tie_embeddings else self.lm_head
         return jnp.einsum("btd,dv->btv", hidden_BTD, head_DV, preferred_element_type=jnp.float32, precision=self.config.precision)
 
+    def context_logits(self, hidden_BTD, ids_BL):
+        """Float32 logits of each row at its own token ids `ids_BL`, `[B, T, L]` (head columns gathered)."""
+        head_DV = self.embedding if self.config.tie_embeddings else self.lm_head
+        return jnp.einsum("btd,dbl->btl", hidden_BTD, jnp.take(head_DV, ids_BL, axis=1), preferred_element_type=jnp.float32,
+                          precision=self.config.precision)
+
     def reduced_logits(self, hidden_BTD):
         """Float32 logits over the draft vocabulary only, `[B, T, draft_vocab_size]`."""
         return jnp.einsum("btd,dn->btn", hidden_BTD, self.draft_head, preferred_element_type=jnp.float32,
@@ -354,14 +360,23 @@ def head_logits(params, config: ModelConfig, hidden_BTD):
     return never_produced(lm_logits(params, config, hidden_BTD), config)
 
 
-def draft_head_logits(params, config: ModelConfig, hidden_BTD):
+def draft_head_logits(params, config: ModelConfig, hidden_BTD, context_BL=None):
     """The draft pass's logits `[B, T, V]`: `head_logits`, or with a reduced draft vocabulary its
-    scores at those ids and -inf everywhere else (so sampling and acceptance read them unchanged)."""
+    scores at those ids and -inf everywhere else (so sampling and acceptance read them unchanged).
+
+    `context_BL`, each row's tokens so far (entries past them may hold any id, such as padding), adds
+    those ids to a reduced vocabulary: a reply copies names and identifiers from its prompt, and
+    those are what a list of frequent tokens misses (docs/design.md, "The reduced draft head")."""
     if not config.draft_vocab_size:
         return head_logits(params, config, hidden_BTD)
     reduced = softcap(reduced_logits(params, config, hidden_BTD), config.final_softcap)
     full = jnp.full((*reduced.shape[:-1], config.vocab_size), NEG_INF, jnp.float32)
-    return full.at[..., params["draft_vocab"]].set(reduced)
+    full = full.at[..., params["draft_vocab"]].set(reduced)
+    if context_BL is not None:
+        seen = softcap(Transformer(config).apply({"params": params}, hidden_BTD, context_BL, method=Transformer.context_logits),
+                       config.final_softcap)
+        full = jax.vmap(lambda row, ids, scores: row.at[:, ids].set(scores))(full, context_BL, seen)
+    return never_produced(full, config)
 
 
 def reduced_logits(params, config: ModelConfig, hidden_BTD):

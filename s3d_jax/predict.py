@@ -149,7 +149,8 @@ def draft_ranks(model, replies, gamma: int) -> list[np.ndarray]:
         _, cache = prompt_forward(params, config, ids[None], ids.shape[0])
 
         def at(n):
-            _, logits, _ = draft_s3d(params, config, plan, cache.replace(lengths=n[None]), ids[n][None], jax.random.key(0))
+            seen = jnp.where(jnp.arange(ids.shape[0]) <= n, ids, 0)[None]  # the context so far, as decoding has it
+            _, logits, _ = draft_s3d(params, config, plan, cache.replace(lengths=n[None]), ids[n][None], jax.random.key(0), seen)
             own = jnp.take_along_axis(logits[0], jax.lax.dynamic_slice(ids, (n + 1,), (gamma,))[:, None], axis=1)
             return jnp.sum(logits[0] > own, axis=1)
 

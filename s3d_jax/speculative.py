@@ -47,16 +47,16 @@ class Plan:
         return max(self.gamma, self.tree)
 
 
-def draft_s3d(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng):
+def draft_s3d(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng, context_BL=None):
     B = x_n_B.shape[0]
     masks = jnp.full((B, plan.gamma - 1), config.mask_token_id, jnp.int32)
     block = jnp.concatenate([x_n_B[:, None], masks], axis=1)
     hidden, _ = cached_forward(params, config, cache, block, plan.draft_layers, write=False, draft=True)
-    logits = draft_head_logits(params, config, hidden)
+    logits = draft_head_logits(params, config, hidden, context_BL)
     return choose(rng, logits, plan.sampling), logits, cache
 
 
-def draft_selfspec(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng):
+def draft_selfspec(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng, context_BL=None):
     """γ one-token draft passes in a `fori_loop`: one pass is compiled, not γ unrolled copies."""
     B, n = x_n_B.shape[0], cache.lengths
     rngs = jax.random.split(rng, plan.gamma)
@@ -66,7 +66,7 @@ def draft_selfspec(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_
         hidden, cache = cached_forward(
             params, config, cache.replace(lengths=n + j), token_B[:, None], plan.draft_layers, write=True, draft=True
         )
-        step_logits_BV = draft_head_logits(params, config, hidden)[:, 0]
+        step_logits_BV = draft_head_logits(params, config, hidden, context_BL)[:, 0]
         token_B = choose(rngs[j], step_logits_BV, plan.sampling)
         return token_B, drafts_BG.at[:, j].set(token_B), logits_BGV.at[:, j].set(step_logits_BV), cache
 
@@ -76,13 +76,14 @@ def draft_selfspec(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_
     return drafts_BG, logits_BGV, cache.replace(lengths=n)
 
 
-def draft(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng):
-    """Returns `(drafts [B, γ], draft logits [B, γ, V], cache)`."""
+def draft(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng, context_BL=None):
+    """Returns `(drafts [B, γ], draft logits [B, γ, V], cache)`. `context_BL`: each row's tokens so far,
+    which a reduced draft head also scores (`draft_head_logits`)."""
     if plan.method == "ar":
         B = x_n_B.shape[0]
         return jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, config.vocab_size), jnp.float32), cache
     fn = {"s3d": draft_s3d, "selfspec": draft_selfspec}[plan.method]
-    return fn(params, config, plan, cache, x_n_B, rng)
+    return fn(params, config, plan, cache, x_n_B, rng, context_BL)
 
 
 def verify(params, config: ModelConfig, cache: KVCache, x_n_B, drafts_BG):

@@ -265,3 +265,18 @@ def test_s3d_needs_a_mask_row():
     with pytest.raises(ValueError, match="no mask token row"):
         s3d_jax.decode(model, [1, 2], method="s3d")
     assert s3d_jax.decode(model, [1, 2], method="selfspec", max_new_tokens=4).tokens
+
+
+def test_decode_loop_keeps_few_row_dots_off_ynnpack(model):
+    """On a CPU the loop compiles with `FEW_ROW_CPU_OPTIONS`: its dots of a few rows go to XLA's own
+    emitter, which measured faster there than YNNPACK's kernels (README, "Passes on the CPU")."""
+    if decoding.few_row_compiler_options() is None:
+        pytest.skip("not a CPU, or this jaxlib has no YNNPACK fusions")
+    _, run, _ = s3d_jax.api.prepare(model, random_prompts([5])[0], method="s3d", gamma=3, skip=(2, 3), max_new_tokens=8)
+    run.compile()
+    prefill, loop = run._executables
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prefill.out_info)
+    stop = jax.ShapeDtypeStruct((), jnp.int32)
+    default = decoding._advance_jit.lower(run.params, state, stop, config=run.config, plan=run.plan).compile()
+    assert "ynn_fusion" in default.as_text()  # what the option changes: the default does use YNNPACK
+    assert "ynn_fusion" not in loop.as_text()

@@ -15,7 +15,7 @@ import s3d_jax
 from s3d_jax import Model, drafter
 from s3d_jax.cache import KVCache, cached_forward
 from s3d_jax.drafter import DrafterError
-from s3d_jax.model import NEG_INF
+from s3d_jax.model import NEG_INF, draft_head_logits, head_logits
 from s3d_jax.speculative import Plan, draft_s3d
 
 SKIP, GAMMA, RANK = (2, 3), 3, 4
@@ -98,6 +98,25 @@ def test_reduced_head_only_proposes_its_tokens_and_never_the_mask(tmp_path):
     allowed = set(np.asarray(model.params["draft_vocab"]).tolist())
     assert set(np.asarray(drafts).ravel().tolist()) <= allowed and config.mask_token_id not in allowed
     assert np.all(np.asarray(logits)[..., config.mask_token_id] == NEG_INF)
+
+
+def test_reduced_head_also_scores_each_rows_context_exactly(tmp_path):
+    """Context ids get the full head's exact logits, per row; ids neither frequent nor in the row's
+    context (so rows do not mix), and the mask id even in a context, stay -inf."""
+    base, _, path = _file(tmp_path)
+    model = drafter.apply(base, path, draft_vocab_size=16)
+    config = model.config
+    frequent = set(np.asarray(model.params["draft_vocab"]).tolist())
+    rare = [t for t in range(config.vocab_size) if t not in frequent and t != config.mask_token_id][:3]
+    context = np.array([[rare[0], rare[1], rare[0], 0], [config.mask_token_id, rare[2], 7, 7]], np.int32)
+    hidden = jax.random.normal(jax.random.key(1), (2, 3, config.hidden_size))
+    logits = np.asarray(draft_head_logits(model.params, config, hidden, jnp.asarray(context)))
+    full = np.asarray(head_logits(model.params, config, hidden))
+    for b in range(2):
+        scored = sorted((frequent | set(context[b].tolist())) - {config.mask_token_id})
+        np.testing.assert_allclose(logits[b][:, scored], full[b][:, scored], rtol=1e-5, atol=1e-5)
+        unscored = np.setdiff1d(np.arange(config.vocab_size), scored)
+        assert np.all(logits[b][:, unscored] == NEG_INF)
 
 
 def test_a_drafter_without_a_ranking_falls_back_to_the_full_head(tmp_path):

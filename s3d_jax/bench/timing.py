@@ -12,6 +12,7 @@ import numpy as np
 
 from s3d_jax import tree
 from s3d_jax.cache import KVCache
+from s3d_jax.decoding import few_row_compiler_options
 from s3d_jax.speculative import Plan, draft_s3d, verify
 
 
@@ -27,7 +28,7 @@ def pass_ms(model, pass_fn, context: int = 256, repeats: int = 20) -> float:
 
         return jax.lax.fori_loop(0, repeats, body, jnp.zeros((), jnp.float32))
 
-    fn = jax.jit(loop)
+    fn = jax.jit(loop, compiler_options=few_row_compiler_options())  # as the decode loop compiles
     jax.block_until_ready(fn(model.params, cache))  # compile and warm up
     start = time.perf_counter()
     jax.block_until_ready(fn(model.params, cache))
@@ -41,9 +42,15 @@ def verify_ms(model, tokens: int, **timing) -> float:
 
 
 def draft_ms(model, skip, gamma: int, **timing) -> float:
-    """One S3D draft pass of `gamma` tokens through the layers outside `skip`."""
+    """One S3D draft pass of `gamma` tokens through the layers outside `skip`, its head also scoring a
+    context as long as the cache, as in decoding."""
     plan = Plan.make(model.config, "s3d", gamma, skip)
-    return pass_ms(model, lambda p, c, x_n: draft_s3d(p, model.config, plan, c, x_n, jax.random.key(0))[1], **timing)
+
+    def draft_pass(p, c, x_n):
+        context = jnp.broadcast_to(x_n[:, None], (x_n.shape[0], c.max_len))
+        return draft_s3d(p, model.config, plan, c, x_n, jax.random.key(0), context)[1]
+
+    return pass_ms(model, draft_pass, **timing)
 
 
 def tree_verify_ms(model, size: int, gamma: int, **timing) -> float:
