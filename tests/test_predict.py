@@ -100,17 +100,24 @@ def test_static_tree_e_counts_the_most_frequent_rank_paths():
     assert analysis["tree_e"][2] == np.mean([static_tree_e(ranks[:4], ranks[4:], 2), static_tree_e(ranks[4:], ranks[:4], 2)])
 
 
-def test_draft_ranks_equal_a_draft_pass_from_each_prefix():
+@pytest.mark.parametrize("draft_vocab", [0, 12])
+def test_draft_ranks_equal_a_draft_pass_from_each_prefix(draft_vocab):
+    """With a reduced draft head the pass also scores the context so far, as decoding does, and
+    never the reply's later tokens (which would leak the answer into the ranks)."""
     import jax
     import jax.numpy as jnp
     from reference import tiny_model
 
     from s3d_jax.cache import prompt_forward
+    from s3d_jax.drafter import with_draft_vocab
     from s3d_jax.predict import draft_ranks
     from s3d_jax.speculative import Plan, draft_s3d
 
     model = tiny_model(seed=3)
-    model = model.__class__(model.params, model.config.replace(draft_skip=(2, 3)))
+    params, config = model.params, model.config.replace(draft_skip=(2, 3))
+    if draft_vocab:
+        params, config = with_draft_vocab(params, config, np.arange(config.vocab_size - 1, dtype=np.int32), draft_vocab)
+    model = model.__class__(params, config)
     prompt, reply, gamma = [5, 6, 7], [int(t) for t in np.random.default_rng(0).integers(0, 90, 12)], 3
     got = draft_ranks(model, [(prompt, reply)], gamma)[0]
     ids = prompt + reply
@@ -118,8 +125,9 @@ def test_draft_ranks_equal_a_draft_pass_from_each_prefix():
     want = []
     for n in range(len(prompt), len(ids) - gamma):
         _, cache = prompt_forward(model.params, model.config, jnp.asarray([ids[:n]]), 32)
+        seen = jnp.asarray([ids[: n + 1] + [0] * (len(ids) - n - 1)])  # the tokens so far; later slots hold padding
         _, logits, _ = draft_s3d(model.params, model.config, plan, cache.replace(lengths=jnp.asarray([n])), jnp.asarray([ids[n]]),
-                                 jax.random.key(0))
+                                 jax.random.key(0), seen)
         own = logits[0, jnp.arange(gamma), jnp.asarray(ids[n + 1: n + 1 + gamma])]
         want.append(np.asarray(jnp.sum(logits[0] > own[:, None], axis=1)))
     np.testing.assert_array_equal(got, np.array(want))
