@@ -229,9 +229,8 @@ class Transformer(nn.Module):
         if not c.tie_embeddings:
             self.lm_head = self.param("lm_head", init_normal, (c.hidden_size, c.vocab_size), c.jnp_dtype)
         if c.draft_vocab_size:  # the reduced draft head: token ids (ascending) and a copy of their head columns
-            head_DV = self.embedding if c.tie_embeddings else self.lm_head
             self.draft_vocab = self.param("draft_vocab", lambda _: default_draft_vocab(c))
-            self.draft_head = self.param("draft_head", lambda _: head_DV[:, self.draft_vocab])
+            self.draft_head = self.param("draft_head", lambda _: self.head()[:, self.draft_vocab])
 
     def __call__(
         self,
@@ -261,15 +260,17 @@ class Transformer(nn.Module):
             block_kvs.append(kv)
         return self.final_norm(x_BTD), tuple(block_kvs)
 
+    def head(self):
+        """The output head `[D, V]`: the embedding table when tied."""
+        return self.embedding if self.config.tie_embeddings else self.lm_head
+
     def logits(self, hidden_BTD):
         """Float32 logits over the whole embedding table (the mask row included)."""
-        head_DV = self.embedding if self.config.tie_embeddings else self.lm_head
-        return jnp.einsum("btd,dv->btv", hidden_BTD, head_DV, preferred_element_type=jnp.float32, precision=self.config.precision)
+        return jnp.einsum("btd,dv->btv", hidden_BTD, self.head(), preferred_element_type=jnp.float32, precision=self.config.precision)
 
     def context_logits(self, hidden_BTD, ids_BL):
         """Float32 logits of each row at its own token ids `ids_BL`, `[B, T, L]` (head columns gathered)."""
-        head_DV = self.embedding if self.config.tie_embeddings else self.lm_head
-        return jnp.einsum("btd,dbl->btl", hidden_BTD, jnp.take(head_DV, ids_BL, axis=1), preferred_element_type=jnp.float32,
+        return jnp.einsum("btd,dbl->btl", hidden_BTD, jnp.take(self.head(), ids_BL, axis=1), preferred_element_type=jnp.float32,
                           precision=self.config.precision)
 
     def reduced_logits(self, hidden_BTD):
@@ -373,10 +374,14 @@ def draft_head_logits(params, config: ModelConfig, hidden_BTD, context_BL=None):
     full = jnp.full((*reduced.shape[:-1], config.vocab_size), NEG_INF, jnp.float32)
     full = full.at[..., params["draft_vocab"]].set(reduced)
     if context_BL is not None:
-        seen = softcap(Transformer(config).apply({"params": params}, hidden_BTD, context_BL, method=Transformer.context_logits),
-                       config.final_softcap)
+        seen = softcap(context_logits(params, config, hidden_BTD, context_BL), config.final_softcap)
         full = jax.vmap(lambda row, ids, scores: row.at[:, ids].set(scores))(full, context_BL, seen)
     return never_produced(full, config)
+
+
+def context_logits(params, config: ModelConfig, hidden_BTD, ids_BL):
+    """Each row's logits at its own ids `ids_BL` (not soft-capped), `[B, T, L]`."""
+    return Transformer(config).apply({"params": params}, hidden_BTD, ids_BL, method=Transformer.context_logits)
 
 
 def reduced_logits(params, config: ModelConfig, hidden_BTD):
