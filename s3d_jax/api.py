@@ -112,6 +112,7 @@ class DecodeStats:
     decode_seconds: float  # prefill and loop, compilation excluded
     compile_seconds: float
     tree: int = 0  # the token tree's nodes; 0: the argmax chain
+    lookup: bool = False  # the tree had a branch copied from the context
 
     @property
     def tokens_per_iteration(self) -> float:
@@ -129,7 +130,7 @@ class DecodeStats:
 
     def summary(self) -> str:
         depth = " ".join(f"{a:.2f}" for a in self.acceptance_per_depth)
-        method = f"{self.method} (tree {self.tree})" if self.tree else self.method
+        method = f"{self.method} (tree {self.tree}{' + lookup' if self.lookup else ''})" if self.tree else self.method
         text = (
             f"{method}: {sum(self.generated_tokens)} tokens in {self.decode_seconds:.2f}s "
             f"({self.tokens_per_second:.1f} tok/s, compile {self.compile_seconds:.1f}s), "
@@ -246,7 +247,10 @@ def plan_for(config: ModelConfig, options: DecodeOptions) -> Plan:
     draftable = config.draft_vocab_size or (config.output_vocab_size or config.vocab_size) - (config.mask_token_id is not None)
     if tree > draftable:
         raise ValueError(f"tree {tree} has more nodes than the {draftable} tokens the draft can propose at each depth")
-    return Plan.make(config, options.method, gamma, skip, sampling, tree)
+    if options.lookup and not tree:
+        raise ValueError("lookup grafts a branch onto a token tree, and this decode drafts the argmax chain: give tree=N")
+    lookup = bool(tree) if options.lookup is None else options.lookup
+    return Plan.make(config, options.method, gamma, skip, sampling, tree, lookup)
 
 
 def prepare(
@@ -281,7 +285,8 @@ def prepare(
     if needed > max_len or needed > limit:
         raise ValueError(
             f"prompt of {int(lengths.max())} tokens + max_new_tokens {max_new_tokens} + "
-            f"{f'tree {plan.tree}' if plan.tree > plan.gamma else f'gamma {plan.gamma}'} (the draft block) "
+            f"{f'tree {plan.tree}' + (f' + lookup {plan.gamma}' if plan.lookup else '') if plan.tree else f'gamma {plan.gamma}'} "
+            "(the draft block) "
             f"= {needed} does not fit the cache of {min(max_len, limit)} positions"
         )
     max_len = max(max_len, padded_len)
@@ -310,6 +315,7 @@ def _output(model: Model, run: decoding.Run, state, batched: bool, seconds: floa
         decode_seconds=seconds,
         compile_seconds=run.compile_seconds,
         tree=run.plan.tree,
+        lookup=run.plan.lookup,
     )
     text = None
     if model.tokenizer is not None:

@@ -74,6 +74,8 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
     drafts, draft_logits, cache = draft(params, config, plan, state.cache, x_n, draft_rng, state.tokens)
     if plan.tree:
         nodes = tree.build(x_n, draft_logits, plan.tree)
+        if plan.lookup:
+            nodes = tree.graft(nodes, *tree.context_branch(state.tokens, n, G))
         target_logits, cache = tree.verify(params, config, cache, nodes, G)
         k, emitted, path = tree.accept(accept_rng, nodes, target_logits, G, plan.sampling)
         cache = tree.compact(cache, path, k)

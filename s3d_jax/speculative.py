@@ -34,17 +34,25 @@ class Plan:
     skip: tuple[int, int] | None  # inclusive range of layers the draft skips; None for "ar"
     draft_layers: tuple[int, ...]
     sampling: Sampling
-    tree: int = 0  # > 0: verify a token tree of this many nodes (s3d, greedy) instead of the argmax chain
+    tree: int = 0  # > 0: verify a token tree of this many nodes instead of the argmax chain
+    lookup: bool = False  # with a tree: graft γ more slots, a branch copied from the context (tree.graft)
 
     @classmethod
-    def make(cls, config: ModelConfig, method: str, gamma: int = 0, skip=None, sampling: Sampling | None = None, tree: int = 0) -> Plan:
+    def make(cls, config: ModelConfig, method: str, gamma: int = 0, skip=None, sampling: Sampling | None = None, tree: int = 0,
+             lookup: bool = False) -> Plan:
         draft_layers = config.draft_layers(skip) if skip is not None else ()
-        return cls(method, int(gamma), None if skip is None else tuple(skip), draft_layers, sampling or Sampling(), int(tree))
+        return cls(method, int(gamma), None if skip is None else tuple(skip), draft_layers, sampling or Sampling(), int(tree),
+                   bool(lookup))
+
+    @property
+    def nodes(self) -> int:
+        """A tree's slots: its N nodes, and the grafted branch's γ."""
+        return self.tree + self.gamma * self.lookup
 
     @property
     def block(self) -> int:
-        """Cache slots an iteration writes past `n`: the γ drafts, or the tree's nodes."""
-        return max(self.gamma, self.tree)
+        """Cache slots an iteration writes past `n`: the γ drafts, or the tree's slots."""
+        return max(self.gamma, self.nodes)
 
 
 def draft_s3d(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rng, context_BL=None):

@@ -5,6 +5,10 @@ a static N nodes is verified:
   build    the N best root-to-node paths by the sum of draft log-probabilities along the path
            (depth-by-depth beam of N, then the global best N; ties go to the shallower node, so every
            chosen node's parent is chosen too), nodes ordered depth-major
+  graft    optionally, γ more slots for a branch copied from the row's own context (prompt lookup):
+           the γ tokens that followed the latest earlier occurrence of the context's last 1-3 tokens.
+           Where the tree already holds the branch's first tokens the branch follows those nodes;
+           a slot the branch does not need is dead (never accepted)
   verify   `[x_n, node_1 .. node_N]` in one full-model pass: node i at position n + depth(i), seeing
            the cache and its ancestors only; their keys and values go to slots n .. n+N
   accept   the verifier picks one token at every node: its argmax (greedy), or an independent sample
@@ -36,6 +40,7 @@ class Tree:
     tokens: jax.Array  # [B, N+1]
     parents: jax.Array  # [B, N+1] index of each node's parent (the root's is itself)
     depths: jax.Array  # [B, N+1] 0 for the root
+    live: jax.Array  # [B, N+1] bool: False for a grafted slot that holds no node
 
 
 def build(x_n_B, draft_logits_BGV, size: int) -> Tree:
@@ -62,6 +67,54 @@ def build(x_n_B, draft_logits_BGV, size: int) -> Tree:
         tokens=jnp.concatenate([x_n_B[:, None], node_tokens], axis=1).astype(jnp.int32),
         parents=jnp.concatenate([jnp.zeros((B, 1), jnp.int32), parents.astype(jnp.int32)], axis=1),
         depths=jnp.concatenate([jnp.zeros((B, 1), jnp.int32), depth0.astype(jnp.int32) + 1], axis=1),
+        live=jnp.ones((B, size + 1), bool),
+    )
+
+
+def context_branch(tokens_BL, n_B, length: int, max_ngram: int = 3):
+    """`(branch [B, length], known [B, length])`: in each row's tokens `[0, n]` (x_n at n), the latest
+    earlier occurrence of the longest suffix of up to `max_ngram` tokens, and the tokens after it.
+    `known` is False past x_n (not generated yet) and everywhere when the last token never occurred before."""
+    B, L = tokens_BL.shape
+    ends = jnp.arange(L)[None, :]
+    matches = ends < n_B[:, None]  # an occurrence ends at p < n
+    best_end = jnp.full((B,), -1, jnp.int32)
+    for i in range(max_ngram):  # after step i: the occurrences of the last i+1 tokens
+        suffix_token = jnp.take_along_axis(tokens_BL, jnp.maximum(n_B - i, 0)[:, None], axis=1)
+        earlier = jnp.pad(tokens_BL, ((0, 0), (i, 0)), constant_values=-1)[:, :L]  # earlier[p] = tokens[p - i]
+        matches = matches & (earlier == suffix_token) & (n_B >= i)[:, None]
+        latest = jnp.max(jnp.where(matches, ends, -1), axis=1)
+        best_end = jnp.where(latest >= 0, latest, best_end)  # a longer match wins
+    at = best_end[:, None] + 1 + jnp.arange(length)[None, :]
+    branch = jnp.take_along_axis(tokens_BL, jnp.minimum(at, L - 1), axis=1)
+    return branch, (best_end[:, None] >= 0) & (at <= n_B[:, None])
+
+
+def graft(tree: Tree, branch_BG, known_BG) -> Tree:
+    """The tree with `G` more slots holding `branch` as a root-to-node path. The branch follows the
+    tree's own nodes while their tokens agree, so siblings stay distinct; the slots it does not need
+    (tokens already in the tree, or not known) are dead."""
+    B, T = tree.tokens.shape
+    is_node = jnp.arange(T)[None, :] > 0
+    at = jnp.zeros((B,), jnp.int32)  # the branch's last node so far (the root to start)
+    in_tree = jnp.ones((B,), bool)
+    tokens, parents, live = [], [], []
+    for d in range(branch_BG.shape[1]):
+        token = branch_BG[:, d]
+        child = is_node & (tree.parents == at[:, None]) & (tree.tokens == token[:, None])  # at most one
+        found = in_tree & jnp.any(child, axis=1)
+        new = known_BG[:, d] & ~found
+        tokens.append(token)
+        parents.append(at)
+        live.append(new)
+        at = jnp.where(found, jnp.argmax(child, axis=1), jnp.where(new, T + d, at)).astype(jnp.int32)
+        in_tree = found
+    G = branch_BG.shape[1]
+    return Tree(
+        tokens=jnp.concatenate([tree.tokens, jnp.stack(tokens, axis=1).astype(jnp.int32)], axis=1),
+        parents=jnp.concatenate([tree.parents, jnp.stack(parents, axis=1)], axis=1),
+        depths=jnp.concatenate([tree.depths, jnp.broadcast_to(jnp.arange(1, G + 1, dtype=jnp.int32), (B, G))], axis=1),
+        live=jnp.concatenate([tree.live, jnp.stack(live, axis=1)], axis=1),
     )
 
 
@@ -89,7 +142,7 @@ def accept(rng, tree: Tree, target_logits_BTV, max_depth: int, sampling: Samplin
     """`(k [B], emitted [B, γ+1], path [B, γ])`. `emitted[:, :k]` are the accepted path's tokens,
     `emitted[:, k]` the verifier's token after it, `path[:, :k]` the accepted nodes."""
     target = choose(rng, target_logits_BTV, sampling)  # [B, N+1]: the verifier's pick at every node
-    correct = tree.tokens == jnp.take_along_axis(target, tree.parents, axis=1)
+    correct = (tree.tokens == jnp.take_along_axis(target, tree.parents, axis=1)) & tree.live
     correct = correct.at[:, 0].set(True)
     accepted = correct
     for _ in range(max_depth):  # accepted: correct, and so is every ancestor

@@ -324,6 +324,8 @@ CLI_CASES = [  # refused by the project: exit 2 and "error: ..." on stderr
     (["--tree", "-2"], r"error: tree must be >= 0, got -2"),
     (["--tree", "4", "--method", "ar"], r"error: tree drafting builds on the S3D draft pass: it needs method 's3d', not 'ar'"),
     (["--model", "MODEL", "--tree", "500"], r"error: tree 500 has more nodes than the 95 tokens"),
+    (["--lookup", "--method", "selfspec"], r"error: the context branch is grafted onto an S3D token tree: it needs method 's3d'"),
+    (["--model", "MODEL", "--lookup", "--tree", "0"], r"error: lookup grafts a branch onto a token tree, .* give tree=N"),
     (["--model", "MODEL", "--drafter", "/nonexistent/d.safetensors"], r"error: no drafter file at /nonexistent/d.safetensors"),
     (["--model", "MODEL", "--draft-vocab", "8"], r"error: draft_vocab_size needs a drafter"),
     (["--model", "MODEL", "--drafter", "SHIPPED"], r"error: the drafter .* was made for another model: its vocab_size is 49280"),

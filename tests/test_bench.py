@@ -97,10 +97,17 @@ def test_bench_decode_on_a_tiny_model(tmp_path):
     model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, hidden_size=32, intermediate_size=64, head_dim=8)
     checkpoint.save(tmp_path / "model", model.params, model.config.replace(eos_token_ids=(2,)), bundled.tokenizer())
     command = [sys.executable, "tools/bench_decode.py", "--model", str(tmp_path / "model"), "--prompts", "2", "--max-new-tokens", "6",
-               "--gamma", "2", "--gammas", "2", "--context", "16", "--repeats", "2", "--quiet", "--out", str(tmp_path / "out")]
+               "--gamma", "2", "--gammas", "2", "--context", "16", "--repeats", "2", "--quiet", "--out", str(tmp_path / "out"),
+               "--trees", "0", "3"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "bench_decode.json").read_text())
+    # The tree sweep: the chain, then each size without and with the context branch, all exact.
+    sweep = results["jax"]["tree_sweep"]
+    assert [(row["tree"], row["lookup"]) for row in sweep] == [(0, False), (3, False), (3, True)]
+    assert all(row["same_as_plain"] and row["verify_ms"] > 0 for row in sweep)
+    assert "| 3 + lookup |" in (tmp_path / "out" / "bench_decode.md").read_text()
+    assert (tmp_path / "out" / "bench_decode_trees.png").stat().st_size > 0
     assert set(results["jax"]["pass_ms"]) == {"plain step (1 token)", "s3d draft, gamma=2", "verify, 3 tokens"}
     # No EOS on either side: every prompt runs to --max-new-tokens.
     assert [results["jax"]["methods"][m]["tokens"] for m in ("ar", "selfspec", "s3d")] == [12, 12, 12]

@@ -175,17 +175,19 @@ def _target_joint(model, prompt, sampling, depth=3):
         ("selfspec", dict(temperature=1.0)),
         ("s3d", dict(temperature=1.0, tree=4)),
         ("s3d", dict(temperature=0.8, top_k=4, top_p=0.9, tree=3)),
+        ("s3d", dict(temperature=1.0, tree=3, lookup=False)),
     ],
 )
 def test_speculative_sampling_is_lossless(method, sampling):
     """The first generated tokens follow the target model's distribution (chi-squared, fixed seed),
-    for the chain's rejection rule and for a tree's sample-and-match rule."""
+    for the chain's rejection rule and for a tree's sample-and-match rule, with the context branch
+    grafted on (the default with a tree) and without."""
     scipy_stats = pytest.importorskip("scipy.stats")
     model = tiny_model(seed=7, scale=10.0, vocab_size=6, mask_token_id=5)
     prompt = [1, 3, 2]
     n = 6000
     out = s3d_jax.decode(model, [prompt] * n, method=method, gamma=2, skip=(2, 3), max_new_tokens=3, eos_token_ids=(), seed=11, **sampling)
-    target = _target_joint(model, prompt, s3d_jax.api.Sampling(**{k: v for k, v in sampling.items() if k != "tree"}))
+    target = _target_joint(model, prompt, s3d_jax.api.Sampling(**{k: v for k, v in sampling.items() if k not in ("tree", "lookup")}))
     counts = {}
     for row in out.tokens:
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1

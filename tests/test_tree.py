@@ -169,5 +169,113 @@ def test_a_drafter_default_tree_is_used_for_greedy_s3d_only(model):
     assert plan(temperature=0.7, tree=5).tree == 5, "an explicit tree samples too"
     assert plan(method="selfspec").tree == 0 and plan(method="ar").tree == 0
     out = s3d_jax.decode(drafted, [1, 2, 3], max_new_tokens=12, eos_token_ids=())
-    assert out.stats.tree == 6 and "s3d (tree 6):" in out.stats.summary()
+    assert out.stats.tree == 6 and "s3d (tree 6 + lookup):" in out.stats.summary()
     assert out.tokens == s3d_jax.decode(drafted, [1, 2, 3], max_new_tokens=12, eos_token_ids=(), method="ar").tokens
+
+
+# ---------------------------------------------------------------- the branch copied from the context
+
+
+def _reference_branch(tokens, n, length, max_ngram=3):
+    """Plain Python: the tokens after the latest earlier occurrence of the longest suffix of tokens[:n+1]."""
+    context = tokens[: n + 1]
+    for m in range(min(max_ngram, n + 1), 0, -1):
+        for end in range(n - 1, m - 2, -1):
+            if context[end - m + 1 : end + 1] == context[n - m + 1 : n + 1]:
+                return context[end + 1 : end + 1 + length]
+    return []
+
+
+def test_context_branch_is_the_latest_longest_match():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 4, (64, 24))  # a small vocabulary: matches of every length occur
+    n = rng.integers(0, 24, 64)
+    branch, known = tree.context_branch(jnp.asarray(tokens, jnp.int32), jnp.asarray(n, jnp.int32), 5)
+    branch, known = np.asarray(branch), np.asarray(known)
+    for b in range(64):
+        want = _reference_branch(tokens[b].tolist(), int(n[b]), 5)
+        assert known[b].sum() == len(want) and np.all(known[b][: len(want)]), f"row {b}"
+        assert branch[b][: len(want)].tolist() == want, f"row {b}"
+
+
+def _random_tree(rng, size, gamma, vocab=24, batch=6):
+    logits = jnp.asarray(rng.normal(0, 2, (batch, gamma, vocab)), jnp.float32)
+    return tree.build(jnp.asarray(rng.integers(0, vocab, batch), jnp.int32), logits, size)
+
+
+@pytest.mark.parametrize("size,gamma", [(1, 2), (6, 3), (20, 4)])
+def test_graft_adds_the_branch_as_a_path_and_keeps_siblings_distinct(size, gamma):
+    rng = np.random.default_rng(size)
+    nodes = _random_tree(rng, size, gamma)
+    branch = rng.integers(0, 24, (6, gamma))
+    branch[:, 0] = np.asarray(nodes.tokens)[:, 1]  # half the rows start inside the tree
+    branch[::2] = rng.integers(0, 24, (3, gamma))
+    known = np.arange(gamma)[None, :] < rng.integers(0, gamma + 1, (6, 1))
+    grafted = tree.graft(nodes, jnp.asarray(branch, jnp.int32), jnp.asarray(known))
+    assert grafted.tokens.shape == (6, size + 1 + gamma)
+    live = np.asarray(grafted.live)
+    assert live[:, : size + 1].all(), "the draft's own nodes stay"
+    tokens, parents = np.asarray(grafted.tokens), np.asarray(grafted.parents)
+    depths = np.asarray(grafted.depths)
+    for b in range(6):
+        paths = _paths(grafted, b)
+        live_paths = [tuple(p) for i, p in enumerate(paths) if live[b, i]]
+        assert len(live_paths) == len(set(live_paths)), "two live nodes with one path: siblings repeat a token"
+        assert all(depths[b, i] == len(paths[i]) for i in range(len(paths)) if live[b, i])
+        assert all(live[b, parents[b, i]] for i in range(len(paths)) if live[b, i]), "a live node's parent is live"
+        want = tuple(branch[b][: known[b].sum()].tolist())
+        assert all(want[:d] in live_paths for d in range(1, len(want) + 1)), "every prefix of the known branch is a node"
+        assert len(live_paths) == len(set(live_paths) | {want[:d] for d in range(1, len(want) + 1)}), "no more than it needs"
+    assert np.all(tokens[:, : size + 1] == np.asarray(nodes.tokens))
+
+
+def test_a_dead_slot_is_never_accepted():
+    """A slot the branch did not need holds a token the verifier may well pick; it still never counts."""
+    nodes = tree.Tree(tokens=jnp.asarray([[5, 1, 2]]), parents=jnp.asarray([[0, 0, 1]]), depths=jnp.asarray([[0, 1, 2]]),
+                      live=jnp.asarray([[True, True, False]]))
+    logits = jax.nn.one_hot(jnp.asarray([[1, 2, 3]]), 8) * 10  # the verifier picks 1 at the root and 2 after node 1
+    k, emitted, _ = tree.accept(jax.random.key(0), nodes, logits, 2, sampling.Sampling())
+    assert int(k[0]) == 1, "without the live flag node 2 would match the verifier's pick after node 1"
+    assert np.asarray(emitted)[0, :2].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("size", [3, 9])
+def test_every_grafted_node_sees_exactly_its_path(model, size):
+    config = model.config
+    prefix = [7, 8, 9, 10, 7, 8]
+    cache = _cache_after(model, prefix)
+    draft_logits = jax.random.normal(jax.random.key(size), (1, 4, config.vocab_size)).at[..., config.mask_token_id].set(-jnp.inf)
+    tokens = jnp.zeros((1, 48), jnp.int32).at[0, : len(prefix) + 1].set(jnp.asarray(prefix + [9]))
+    nodes = tree.graft(tree.build(jnp.asarray([9]), draft_logits, size), *tree.context_branch(tokens, jnp.asarray([len(prefix)]), 4))
+    live_paths = [p for i, p in enumerate(_paths(nodes)) if np.asarray(nodes.live)[0, i]]
+    assert [10, 7, 8, 9] in live_paths, "7 8 9 occurred before, followed by 10 7 8 9"
+    logits, _ = tree.verify(model.params, config, cache, nodes, 4)
+    for i, path in enumerate(_paths(nodes)):
+        if np.asarray(nodes.live)[0, i]:
+            reference = numpy_logits(model, prefix + [9] + path)[-1]
+            np.testing.assert_allclose(np.asarray(logits)[0, i, : config.mask_token_id], reference[: config.mask_token_id],
+                                       atol=1e-4, err_msg=f"node {i}, path {path}")
+
+
+@pytest.mark.parametrize("size,gamma", [(1, 2), (6, 4)])
+def test_lookup_decoding_equals_plain_greedy_and_accepts_more_on_repeats(model, size, gamma):
+    """A prompt that repeats itself: the branch copies the repeat. The output stays plain greedy's."""
+    prompts = [[3, 14, 15, 92, 65, 35] * 4, np.random.default_rng(1).integers(0, 95, 9).tolist(), [8, 8]]
+    plain = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=24, eos_token_ids=())
+    options = dict(gamma=gamma, skip=(2, 3), tree=size, max_new_tokens=24, eos_token_ids=())
+    with_branch = s3d_jax.decode(model, prompts, lookup=True, **options)
+    without = s3d_jax.decode(model, prompts, lookup=False, **options)
+    assert with_branch.tokens == plain.tokens == without.tokens
+    assert with_branch.stats.tokens_per_iteration > without.stats.tokens_per_iteration
+    assert with_branch.stats.lookup and not without.stats.lookup
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(lookup=True, tree=0), "give tree=N"),
+    (dict(lookup=True, method="ar"), "needs method 's3d'"),
+    (dict(lookup="yes", tree=4), "lookup must be True or False"),
+    (dict(tree=58, max_len=64), r"tree 58 \+ lookup 4"),
+])
+def test_bad_lookup_requests(model, options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        s3d_jax.decode(model, [1, 2, 3], max_new_tokens=4, gamma=4, **options)

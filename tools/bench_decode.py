@@ -94,8 +94,8 @@ def run_jax(request: dict) -> dict:
             "acceptance_per_depth": acceptance_per_depth(decoded.histogram),
         }
     result["methods"] = rows
-    result["tree_sweep"] = [tree_point(model, args, n, skip, decode, passes["plain step (1 token)"], rows["ar"], outputs["ar"])
-                            for n in tqdm(args.trees, desc="trees", disable=args.quiet)]
+    result["tree_sweep"] = [row for n in tqdm(args.trees, desc="trees", disable=args.quiet)
+                            for row in tree_points(model, args, n, skip, decode, passes["plain step (1 token)"], rows["ar"], outputs["ar"])]
     result["draft_vocab_sweep"] = [draft_vocab_point(args, n, skip, decode, passes["plain step (1 token)"], rows["ar"], outputs["ar"])
                                    for n in tqdm(args.draft_vocabs, desc="draft vocabularies", disable=args.quiet)]
     return result
@@ -119,21 +119,27 @@ def greedy_options(args, config) -> DecodeOptions:
     drafter's, else the middle half; no EOS, so every prompt runs to max_new_tokens, as transformers
     does below with min_new_tokens; S3D's tree is the drafter's default (sizes to sweep: --trees)."""
     skip = tuple(args.skip) if args.skip else config.draft_skip or default_skip(config.num_layers)
-    return DecodeOptions.from_args(args, chat=True, eos_token_ids=(), skip=skip, tree=None)
+    return DecodeOptions.from_args(args, chat=True, eos_token_ids=(), skip=skip, tree=None, lookup=None)
 
 
 def param_bytes(params) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(params))
 
 
-def tree_point(model, args, size: int, skip, decode: DecodeOptions, step_ms: float, plain: dict, plain_outputs: list) -> dict:
-    """S3D with a tree of `size` nodes (0: the chain): its verify pass, its decoding, and the speedup
-    predicted for a memory-bound device (every pass as long as a step): E / (1 + r + 0.05)."""
-    verify = timing.tree_verify_ms(model, size, args.gamma, context=args.context, repeats=args.repeats) if size else \
-        timing.verify_ms(model, args.gamma + 1, context=args.context, repeats=args.repeats)
-    decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method="s3d", tree=size))
+def tree_points(model, args, size: int, skip, decode: DecodeOptions, step_ms: float, plain: dict, plain_outputs: list) -> list[dict]:
+    """S3D with a tree of `size` nodes (0: the chain), without and with the context branch: its verify
+    pass, its decoding, and the speedup predicted for a memory-bound device (every pass as long as a
+    step): E / (1 + r + 0.05)."""
+    lookups = (False, True) if size else (False,)
+    return [tree_point(model, args, size, lookup, skip, decode, step_ms, plain, plain_outputs) for lookup in lookups]
+
+
+def tree_point(model, args, size: int, lookup: bool, skip, decode: DecodeOptions, step_ms: float, plain: dict, plain_outputs: list) -> dict:
+    timed = dict(context=args.context, repeats=args.repeats)
+    verify = timing.tree_verify_ms(model, size, args.gamma, lookup, **timed) if size else timing.verify_ms(model, args.gamma + 1, **timed)
+    decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method="s3d", tree=size, lookup=lookup if size else None))
     e = tokens_per_iteration(decoded.histogram)
-    return {"tree": size, "verify_ms": verify, "verify_vs_step": verify / step_ms, "tokens_per_iteration": e,
+    return {"tree": size, "lookup": lookup, "verify_ms": verify, "verify_vs_step": verify / step_ms, "tokens_per_iteration": e,
             "tokens_per_s": decoded.tokens_per_second, "vs_plain": decoded.tokens_per_second / plain["tokens_per_s"],
             "predicted_memory_bound": e / (1 + draft_ratio(model.config, skip) + 0.05),
             "same_as_plain": [r["tokens"] for r in decoded.records] == plain_outputs}
@@ -209,11 +215,12 @@ def render(jax_result: dict, hf_result: dict | None, args, llama_cpp: dict | Non
         floor = jax_result["pass_floor_ms"][name]
         lines.append(f"| {name} | {ms:.2f} | {ms / step:.2f} | {floor:.2f} | {ms / floor:.2f} |")
     if jax_result.get("tree_sweep"):
-        lines += ["", f"Tree drafting (S3D, gamma {args.gamma}; N = 0 is the argmax chain; plain decoding in the same run is 1.00x):",
+        lines += ["", f"Tree drafting (S3D, gamma {args.gamma}; N = 0 is the argmax chain; + lookup: with the context branch of "
+                  f"{args.gamma} more slots; plain decoding in the same run is 1.00x):",
                   "", "| tree nodes N | verify ms | vs plain step | tokens/iteration | S3D vs plain | predicted, memory-bound | "
                   "output equals plain |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for row in jax_result["tree_sweep"]:
-            lines.append(f"| {row['tree'] or 'chain'} | {row['verify_ms']:.2f} | {row['verify_vs_step']:.2f} | "
+            lines.append(f"| {tree_label(row)} | {row['verify_ms']:.2f} | {row['verify_vs_step']:.2f} | "
                          f"{row['tokens_per_iteration']:.2f} | {row['vs_plain']:.2f}x | {row['predicted_memory_bound']:.2f}x | "
                          f"{row['same_as_plain']} |")
     if jax_result.get("draft_vocab_sweep"):
@@ -227,18 +234,27 @@ def render(jax_result: dict, hf_result: dict | None, args, llama_cpp: dict | Non
     return "\n".join(lines)
 
 
+def tree_label(row: dict) -> str:
+    return f"{row['tree']} + lookup" if row.get("lookup") else str(row["tree"] or "chain")
+
+
 def plot_trees(sweep: list[dict], path: Path) -> None:
-    """Tokens per iteration and speed against plain decoding, by tree size."""
-    fig = Figure(figsize=(6, 4))
+    """Tokens per iteration and speed against plain decoding, by tree size, without and with the context branch."""
+    fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
-    sizes = [row["tree"] for row in sweep]
-    ax.plot(sizes, [row["tokens_per_iteration"] for row in sweep], "o-", label="tokens/iteration (E)")
-    ax.plot(sizes, [row["vs_plain"] for row in sweep], "s-", label="S3D speed vs plain, this machine")
-    ax.plot(sizes, [row["predicted_memory_bound"] for row in sweep], "^--", label="predicted, memory-bound device")
+    for lookup, style, suffix in ((False, "-", ""), (True, "--", ", + lookup")):
+        rows = [row for row in sweep if not row["tree"] or row["lookup"] == lookup]
+        if len(rows) < 2 and lookup:
+            continue
+        sizes = [row["tree"] for row in rows]
+        ax.plot(sizes, [row["tokens_per_iteration"] for row in rows], "o" + style, color="C0", label="tokens/iteration (E)" + suffix)
+        ax.plot(sizes, [row["vs_plain"] for row in rows], "s" + style, color="C1", label="S3D speed vs plain, this machine" + suffix)
+        ax.plot(sizes, [row["predicted_memory_bound"] for row in rows], "^" + style, color="C2", alpha=0.6,
+                label="predicted, memory-bound device" + suffix)
     ax.axhline(1.0, color="gray", ls=":")
     ax.set_xlabel("tree nodes N (0: the chain)")
     ax.set_title("Tree drafting")
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
