@@ -283,10 +283,11 @@ def prepare(
     if max_len is None:
         max_len = min(bucket(max(needed, padded_len), minimum=128), max(limit, needed))
     if needed > max_len or needed > limit:
+        block = f"gamma {plan.gamma}"
+        if plan.nodes > plan.gamma:  # the tree's slots are the block
+            block = f"tree {plan.tree}" + (f" + lookup {plan.gamma}" if plan.lookup else "")
         raise ValueError(
-            f"prompt of {int(lengths.max())} tokens + max_new_tokens {max_new_tokens} + "
-            f"{f'tree {plan.tree}' + (f' + lookup {plan.gamma}' if plan.lookup else '') if plan.tree else f'gamma {plan.gamma}'} "
-            "(the draft block) "
+            f"prompt of {int(lengths.max())} tokens + max_new_tokens {max_new_tokens} + {block} (the draft block) "
             f"= {needed} does not fit the cache of {min(max_len, limit)} positions"
         )
     max_len = max(max_len, padded_len)

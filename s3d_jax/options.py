@@ -57,9 +57,10 @@ class DecodeOptions:
             set_("tree", check_int("tree", self.tree, 0))
         if self.tree and self.method != "s3d":
             raise ValueError(f"tree drafting builds on the S3D draft pass: it needs method 's3d', not {self.method!r}")
-        for name in ("chat", "lookup"):
-            if not isinstance(getattr(self, name), bool) and not (name == "lookup" and self.lookup is None):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.chat, bool):
+            raise TypeError(f"chat must be True or False, got {self.chat!r}")
+        if self.lookup is not None and not isinstance(self.lookup, bool):
+            raise TypeError(f"lookup must be True or False, got {self.lookup!r}")
         if self.lookup and self.method != "s3d":
             raise ValueError(f"the context branch is grafted onto an S3D token tree: it needs method 's3d', not {self.method!r}")
         if self.skip is not None:

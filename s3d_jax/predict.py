@@ -228,7 +228,7 @@ def predict_trees(model, args, pass_ms, plain_speed: float | None) -> dict:
             print(f"decoding with tree {size} ...", file=sys.stderr)
             # The draft's own tree, as predicted: the context branch (tree.graft) is not part of the model.
             speed, hist = measure(model, args.questions, DecodeOptions(chat=True, max_new_tokens=args.max_new_tokens, gamma=gamma,
-                                                                       tree=size, lookup=False if size else None))
+                                                                       tree=size, lookup=False))
             row.update(measured_e=tokens_per_iteration(hist), measured_speedup=speed / plain_speed)
         rows.append(row)
     best = max(rows, key=lambda row: row["predicted_speedup"])
