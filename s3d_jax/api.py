@@ -113,6 +113,7 @@ class DecodeStats:
     compile_seconds: float
     tree: int = 0  # the token tree's nodes; 0: the argmax chain
     lookup: bool = False  # the tree had a branch copied from the context
+    branch_only: list[int] = dataclasses.field(default_factory=list)  # per row: iterations that verified that branch alone
 
     @property
     def tokens_per_iteration(self) -> float:
@@ -136,6 +137,8 @@ class DecodeStats:
             f"({self.tokens_per_second:.1f} tok/s, compile {self.compile_seconds:.1f}s), "
             f"{sum(self.iterations)} iterations, {self.tokens_per_iteration:.2f} tokens/iteration"
         )
+        if self.lookup:
+            text += f", {sum(self.branch_only) / max(sum(self.iterations), 1):.0%} of them the context branch alone"
         return text + (f", acceptance per depth [{depth}]" if self.gamma else "")
 
 
@@ -305,7 +308,7 @@ def _collect(state: decoding.DecodeState, run: decoding.Run) -> list[list[int]]:
 
 def _output(model: Model, run: decoding.Run, state, batched: bool, seconds: float) -> DecodeOutput:
     tokens = _collect(state, run)
-    hist, iterations = jax.device_get((state.accept_histogram, state.accept_histogram.sum(axis=1)))
+    hist, iterations, branch_only = jax.device_get((state.accept_histogram, state.accept_histogram.sum(axis=1), state.branch_only))
     stats = DecodeStats(
         method=run.plan.method,
         gamma=run.plan.gamma,
@@ -317,6 +320,7 @@ def _output(model: Model, run: decoding.Run, state, batched: bool, seconds: floa
         compile_seconds=run.compile_seconds,
         tree=run.plan.tree,
         lookup=run.plan.lookup,
+        branch_only=branch_only.tolist(),
     )
     text = None
     if model.tokenizer is not None:

@@ -79,8 +79,17 @@ def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layer
         params, config, tokens_BT, positions_BT, contexts, context_positions, context_mask, block_mask, layers, draft
     )
     if write:
-        cache = cache.write(layers, block_kvs)
+        cache = cache.write(layers, after(hidden, block_kvs))
     return hidden, cache
+
+
+def after(hidden, block_kvs):
+    """`block_kvs`, made to depend on `hidden`, which every layer's attention over the cache precedes.
+    A block's keys and values do not depend on its layer's attention, so without this XLA cannot
+    order the cache's reads before its writes and copies every layer's cache on every pass (the cost
+    of a step then grows with the cache's allocated length). Adding zero keeps every value exact."""
+    zero = (jnp.sum(hidden) > 0).astype(hidden.dtype) * 0  # never NaN, and XLA cannot fold it away
+    return jax.tree.map(lambda x: x + zero.astype(x.dtype), block_kvs)
 
 
 def prompt_forward(params, config: ModelConfig, tokens_BT, max_len: int):

@@ -36,6 +36,7 @@ class DecodeState:
     rng: jax.Array
     iteration: jax.Array  # [] iterations run so far
     accept_histogram: jax.Array  # [B, γ+1]: iterations of each row that accepted k drafts
+    branch_only: jax.Array  # [B]: iterations of each row that verified the context branch alone, with no draft pass
 
 
 def _is_eos(tokens, eos_ids):
@@ -62,7 +63,38 @@ def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng
         rng=rng,
         iteration=jnp.zeros((), jnp.int32),
         accept_histogram=jnp.zeros((B, plan.gamma + 1), jnp.int32),
+        branch_only=jnp.zeros((B,), jnp.int32),
     )
+
+
+def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, x_n_B, draft_rng, accept_rng):
+    """Drafts a token tree and verifies it: `(k, emitted, cache, branch_only)`. With the context branch
+    (`plan.lookup`) the branch is grafted onto the tree; when every active row's context supplies all γ
+    of its tokens, the branch is verified alone and the draft pass is skipped (`branch_only` True): the
+    context's guess then costs a pass of γ+1 tokens instead of a draft plus N+γ+1."""
+    G = plan.gamma
+
+    def verify_tree(nodes, cache):
+        target_logits, cache = tree.verify(params, config, cache, nodes, G)
+        k, emitted, path = tree.accept(accept_rng, nodes, target_logits, G, plan.sampling)
+        return k, emitted, path, cache
+
+    def drafted(cache, graft=lambda nodes: nodes):
+        _, draft_logits, cache = draft(params, config, plan, cache, x_n_B, draft_rng, state.tokens)
+        return verify_tree(graft(tree.build(x_n_B, draft_logits, plan.tree)), cache)
+
+    if not plan.lookup:
+        k, emitted, path, cache = drafted(state.cache)
+        return k, emitted, tree.compact(cache, path, k), jnp.asarray(False)
+    branch, known = tree.context_branch(state.tokens, state.cache.lengths, G)
+    branch_only = jnp.all(known[:, -1] | state.done)
+    k, emitted, path, cache = jax.lax.cond(
+        branch_only,
+        lambda cache: verify_tree(tree.graft(tree.root(x_n_B), branch, known), cache),
+        lambda cache: drafted(cache, lambda nodes: tree.graft(nodes, branch, known)),
+        state.cache,
+    )
+    return k, emitted, tree.compact(cache, path, k), branch_only
 
 
 def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> DecodeState:
@@ -71,17 +103,13 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
     n = state.cache.lengths
     x_n = jnp.take_along_axis(state.tokens, n[:, None], axis=1)[:, 0]
     rng, draft_rng, accept_rng = jax.random.split(state.rng, 3)
-    drafts, draft_logits, cache = draft(params, config, plan, state.cache, x_n, draft_rng, state.tokens)
     if plan.tree:
-        nodes = tree.build(x_n, draft_logits, plan.tree)
-        if plan.lookup:
-            nodes = tree.graft(nodes, *tree.context_branch(state.tokens, n, G))
-        target_logits, cache = tree.verify(params, config, cache, nodes, G)
-        k, emitted, path = tree.accept(accept_rng, nodes, target_logits, G, plan.sampling)
-        cache = tree.compact(cache, path, k)
+        k, emitted, cache, branch_only = tree_iteration(params, config, plan, state, x_n, draft_rng, accept_rng)
     else:
+        drafts, draft_logits, cache = draft(params, config, plan, state.cache, x_n, draft_rng, state.tokens)
         target_logits, cache = verify(params, config, cache, x_n, drafts)
         k, emitted = accept(accept_rng, drafts, draft_logits, target_logits, plan.sampling)
+        branch_only = jnp.asarray(False)
 
     # Keep the emitted tokens up to and including the first EOS, within max_new_tokens.
     j = jnp.arange(G + 1)[None, :]
@@ -106,6 +134,7 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
         rng=rng,
         iteration=state.iteration + 1,
         accept_histogram=state.accept_histogram.at[jnp.arange(B), k].add(active.astype(jnp.int32)),
+        branch_only=state.branch_only + (active & branch_only).astype(jnp.int32),
     )
 
 

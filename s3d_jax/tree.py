@@ -8,7 +8,9 @@ a static N nodes is verified:
   graft    optionally, γ more slots for a branch copied from the row's own context (prompt lookup):
            the γ tokens that followed the latest earlier occurrence of the context's last 1-3 tokens.
            Where the tree already holds the branch's first tokens the branch follows those nodes;
-           a slot the branch does not need is dead (never accepted)
+           a slot the branch does not need is dead (never accepted). When the context supplies all
+           γ branch tokens, the decode loop verifies the branch alone on a bare `root` instead
+           (no draft pass; `decoding.tree_iteration`)
   verify   `[x_n, node_1 .. node_N]` in one full-model pass: node i at position n + depth(i), seeing
            the cache and its ancestors only; their keys and values go to slots n .. n+N
   accept   the verifier picks one token at every node: its argmax (greedy), or an independent sample
@@ -69,6 +71,12 @@ def build(x_n_B, draft_logits_BGV, size: int) -> Tree:
         depths=jnp.concatenate([jnp.zeros((B, 1), jnp.int32), depth0.astype(jnp.int32) + 1], axis=1),
         live=jnp.ones((B, size + 1), bool),
     )
+
+
+def root(x_n_B) -> Tree:
+    """A tree of the root alone, for a branch to be grafted onto."""
+    zeros = jnp.zeros((x_n_B.shape[0], 1), jnp.int32)
+    return Tree(tokens=x_n_B[:, None].astype(jnp.int32), parents=zeros, depths=zeros, live=jnp.ones(zeros.shape, bool))
 
 
 def context_branch(tokens_BL, n_B, length: int, max_ngram: int = 3):

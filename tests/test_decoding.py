@@ -282,3 +282,18 @@ def test_decode_loop_keeps_few_row_dots_off_ynnpack(model):
     default = decoding._advance_jit.lower(run.params, state, stop, config=run.config, plan=run.plan).compile()
     assert "ynn_fusion" in default.as_text()  # what the option changes: the default does use YNNPACK
     assert "ynn_fusion" not in loop.as_text()
+
+
+@pytest.mark.parametrize("method,tree", [("ar", 0), ("s3d", 0), ("s3d", 4)])
+def test_decode_loop_updates_the_cache_in_place(model, method, tree):
+    """No pass copies a layer's cache: each write is ordered after the attention that reads the old
+    cache (`cache.after`), so XLA updates it in place and a step does not grow with the allocation."""
+    _, run, _ = s3d_jax.api.prepare(model, random_prompts([5])[0], method=method, gamma=3, skip=(2, 3), tree=tree,
+                                    lookup=False if method == "s3d" else None, max_new_tokens=8, max_len=256)
+    run.compile()
+    _, loop = run._executables
+    config = model.config
+    keys = f"f32[1,{config.num_kv_heads},256,{config.head_dim}]"
+    values = f"f32[1,{config.num_kv_heads},{config.head_dim},256]"
+    copies = [line for line in loop.as_text().splitlines() if " copy(" in line and (keys in line or values in line)]
+    assert not copies, copies[:2]

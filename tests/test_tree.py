@@ -279,3 +279,17 @@ def test_lookup_decoding_equals_plain_greedy_and_accepts_more_on_repeats(model, 
 def test_bad_lookup_requests(model, options, match):
     with pytest.raises((ValueError, TypeError), match=match):
         s3d_jax.decode(model, [1, 2, 3], max_new_tokens=4, gamma=4, **options)
+
+
+def test_a_context_that_supplies_the_whole_branch_skips_the_draft(model):
+    """Where every active row's context gives all γ branch tokens, the iteration verifies the branch
+    alone (no draft pass, a pass of γ+1 tokens); the output is still plain greedy's."""
+    prompt = [3, 14, 15, 92, 65, 35] * 5
+    plain = s3d_jax.decode(model, prompt, method="ar", max_new_tokens=24, eos_token_ids=())
+    options = dict(gamma=3, skip=(2, 3), tree=4, max_new_tokens=24, eos_token_ids=())
+    with_branch = s3d_jax.decode(model, prompt, lookup=True, **options)
+    without = s3d_jax.decode(model, prompt, lookup=False, **options)
+    assert with_branch.tokens == plain.tokens == without.tokens
+    assert 0 < sum(with_branch.stats.branch_only) <= sum(with_branch.stats.iterations)
+    assert sum(without.stats.branch_only) == 0
+    assert "the context branch alone" in with_branch.stats.summary()
