@@ -61,34 +61,40 @@ def attention_masks(lengths_B, block_len: int, max_len: int):
     return context_BTS, jnp.broadcast_to(causal_mask(block_len), (B, block_len, block_len))
 
 
-def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], write: bool, draft: bool = False,
-                   positions_BT=None, block_mask_BTT=None):
-    """Runs `tokens` through `layers` against the cache; returns (final hidden states, cache).
+def block_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], draft: bool = False,
+                  positions_BT=None, block_mask_BTT=None):
+    """Runs `tokens` through `layers` against the cache, which it only reads; returns (final hidden
+    states, each layer's block keys and values).
 
     The block is a causal run at positions `lengths ..` unless `positions_BT` and `block_mask_BTT` say
-    otherwise (a token tree). With `write`, the block's keys and values are stored at slots `lengths ..`;
-    `cache.lengths` never moves here: the caller advances it by however many tokens it keeps.
-    """
+    otherwise (a token tree)."""
     T = tokens_BT.shape[1]
     context_mask, block_mask = attention_masks(cache.lengths, T, cache.max_len)
     block_mask = block_mask if block_mask_BTT is None else block_mask_BTT
     positions_BT = cache.block_positions(T) if positions_BT is None else positions_BT
     contexts = [(cache.keys[i], cache.values[i]) for i in layers]
     context_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (tokens_BT.shape[0], cache.max_len))  # slot s holds position s
-    hidden, block_kvs = run_layers(
-        params, config, tokens_BT, positions_BT, contexts, context_positions, context_mask, block_mask, layers, draft
-    )
+    return run_layers(params, config, tokens_BT, positions_BT, contexts, context_positions, context_mask, block_mask, layers, draft)
+
+
+def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], write: bool, draft: bool = False,
+                   positions_BT=None, block_mask_BTT=None):
+    """`block_forward`, returning (final hidden states, cache). With `write`, the block's keys and
+    values are stored at slots `lengths ..`; `cache.lengths` never moves here: the caller advances
+    it by however many tokens it keeps.
+    """
+    hidden, block_kvs = block_forward(params, config, cache, tokens_BT, layers, draft, positions_BT, block_mask_BTT)
     if write:
         cache = cache.write(layers, after(hidden, block_kvs))
     return hidden, cache
 
 
-def after(hidden, block_kvs):
-    """`block_kvs`, made to depend on `hidden`, which every layer's attention over the cache precedes.
+def after(output, block_kvs):
+    """`block_kvs`, made to depend on a pass's `output`, which every layer's attention over the cache precedes.
     A block's keys and values do not depend on its layer's attention, so without this XLA cannot
     order the cache's reads before its writes and copies every layer's cache on every pass (the cost
     of a step then grows with the cache's allocated length). Adding zero keeps every value exact."""
-    zero = (jnp.sum(hidden) > 0).astype(hidden.dtype) * 0  # never NaN, and XLA cannot fold it away
+    zero = (jnp.sum(output) > 0).astype(jnp.float32) * 0  # never NaN, and XLA cannot fold it away
     return jax.tree.map(lambda x: x + zero.astype(x.dtype), block_kvs)
 
 

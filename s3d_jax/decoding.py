@@ -71,29 +71,35 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
     """Drafts a token tree and verifies it: `(k, emitted, cache, branch_only)`. With the context branch
     (`plan.lookup`) the branch is grafted onto the tree; when every active row's context supplies all γ
     of its tokens, the branch is verified alone and the draft pass is skipped (`branch_only` True): the
-    context's guess then costs a pass of γ+1 tokens instead of a draft plus N+γ+1."""
-    G = plan.gamma
+    context's guess then costs a pass of γ+1 tokens instead of a draft plus N+γ+1.
 
-    def verify_tree(nodes, cache):
-        target_logits, cache = tree.verify(params, config, cache, nodes, G)
-        k, emitted, path = tree.accept(accept_rng, nodes, target_logits, G, plan.sampling)
-        return k, emitted, path, cache
+    Both kinds only read the cache; the nodes' keys and values are written after the choice, so
+    that the `lax.cond` between them never holds a cache it must copy."""
+    G, rows = plan.gamma, plan.nodes + 1
 
-    def drafted(cache, graft=lambda nodes: nodes):
-        _, draft_logits, cache = draft(params, config, plan, cache, x_n_B, draft_rng, state.tokens)
-        return verify_tree(graft(tree.build(x_n_B, draft_logits, plan.tree)), cache)
+    def verify_tree(nodes):
+        logits, block_kvs = tree.verify_block(params, config, state.cache, nodes, G)
+        k, emitted, path = tree.accept(accept_rng, nodes, logits, G, plan.sampling)
+        pad = rows - nodes.tokens.shape[1]  # the branch alone: the slots past it are stale, as any past n + k
+        block_kvs = tuple((jnp.pad(key, ((0, 0), (0, 0), (0, pad), (0, 0))), jnp.pad(value, ((0, 0), (0, 0), (0, 0), (0, pad))))
+                          for key, value in block_kvs)
+        return k, emitted, path, block_kvs
 
-    if not plan.lookup:
-        k, emitted, path, cache = drafted(state.cache)
-        return k, emitted, tree.compact(cache, path, k), jnp.asarray(False)
-    branch, known = tree.context_branch(state.tokens, state.cache.lengths, G)
-    branch_only = jnp.all(known[:, -1] | state.done)
-    k, emitted, path, cache = jax.lax.cond(
-        branch_only,
-        lambda cache: verify_tree(tree.graft(tree.root(x_n_B), branch, known), cache),
-        lambda cache: drafted(cache, lambda nodes: tree.graft(nodes, branch, known)),
-        state.cache,
-    )
+    def drafted(graft=lambda nodes: nodes):
+        _, draft_logits, _ = draft(params, config, plan, state.cache, x_n_B, draft_rng, state.tokens)
+        return verify_tree(graft(tree.build(x_n_B, draft_logits, plan.tree)))
+
+    if plan.lookup:
+        branch, known = tree.context_branch(state.tokens, state.cache.lengths, G)
+        branch_only = jnp.all(known[:, -1] | state.done)
+        k, emitted, path, block_kvs = jax.lax.cond(
+            branch_only,
+            lambda: verify_tree(tree.graft(tree.root(x_n_B), branch, known)),
+            lambda: drafted(lambda nodes: tree.graft(nodes, branch, known)),
+        )
+    else:
+        (k, emitted, path, block_kvs), branch_only = drafted(), jnp.asarray(False)
+    cache = state.cache.write(config.all_layers, block_kvs)
     return k, emitted, tree.compact(cache, path, k), branch_only
 
 

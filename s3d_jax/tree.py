@@ -29,7 +29,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from s3d_jax.cache import KVCache, cached_forward
+from s3d_jax.cache import KVCache, after, block_forward
 from s3d_jax.config import ModelConfig
 from s3d_jax.model import head_logits
 from s3d_jax.sampling import Sampling, choose, top_k
@@ -137,13 +137,20 @@ def ancestor_mask(tree: Tree, max_depth: int):
     return seen
 
 
-def verify(params, config: ModelConfig, cache: KVCache, tree: Tree, max_depth: int):
-    """Full-model logits `[B, N+1, V]` at every node, each seeing the cache and its own ancestors;
-    the nodes' keys and values are written to slots `n .. n+N`."""
+def verify_block(params, config: ModelConfig, cache: KVCache, tree: Tree, max_depth: int):
+    """Full-model logits `[B, N+1, V]` at every node, each seeing the cache and its own ancestors, and
+    the nodes' keys and values for slots `n .. n+N`, ordered after every read of the cache
+    (`cache.after`); the cache itself is only read."""
     positions = cache.lengths[:, None] + tree.depths
-    hidden, cache = cached_forward(params, config, cache, tree.tokens, config.all_layers, write=True,
-                                   positions_BT=positions, block_mask_BTT=ancestor_mask(tree, max_depth))
-    return head_logits(params, config, hidden), cache
+    hidden, block_kvs = block_forward(params, config, cache, tree.tokens, config.all_layers,
+                                      positions_BT=positions, block_mask_BTT=ancestor_mask(tree, max_depth))
+    return head_logits(params, config, hidden), after(hidden, block_kvs)
+
+
+def verify(params, config: ModelConfig, cache: KVCache, tree: Tree, max_depth: int):
+    """`verify_block`, with the nodes' keys and values written to slots `n .. n+N`: `(logits, cache)`."""
+    logits, block_kvs = verify_block(params, config, cache, tree, max_depth)
+    return logits, cache.write(config.all_layers, block_kvs)
 
 
 def accept(rng, tree: Tree, target_logits_BTV, max_depth: int, sampling: Sampling):

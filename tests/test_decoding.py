@@ -284,12 +284,13 @@ def test_decode_loop_keeps_few_row_dots_off_ynnpack(model):
     assert "ynn_fusion" not in loop.as_text()
 
 
-@pytest.mark.parametrize("method,tree", [("ar", 0), ("s3d", 0), ("s3d", 4)])
-def test_decode_loop_updates_the_cache_in_place(model, method, tree):
+@pytest.mark.parametrize("method,tree,lookup", [("ar", 0, None), ("s3d", 0, None), ("s3d", 4, False), ("s3d", 4, True)])
+def test_decode_loop_updates_the_cache_in_place(model, method, tree, lookup):
     """No pass copies a layer's cache: each write is ordered after the attention that reads the old
-    cache (`cache.after`), so XLA updates it in place and a step does not grow with the allocation."""
+    cache (`cache.after`), and the tree's two iteration kinds only read it (`decoding.tree_iteration`),
+    so XLA updates it in place."""
     _, run, _ = s3d_jax.api.prepare(model, random_prompts([5])[0], method=method, gamma=3, skip=(2, 3), tree=tree,
-                                    lookup=False if method == "s3d" else None, max_new_tokens=8, max_len=256)
+                                    lookup=lookup, max_new_tokens=8, max_len=256)
     run.compile()
     _, loop = run._executables
     config = model.config
