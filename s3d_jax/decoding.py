@@ -85,17 +85,16 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
                           for key, value in block_kvs)
         return k, emitted, path, block_kvs
 
-    def drafted(graft=lambda nodes: nodes):
+    def drafted():
         _, draft_logits, _ = draft(params, config, plan, state.cache, x_n_B, draft_rng, state.tokens)
-        return verify_tree(graft(tree.build(x_n_B, draft_logits, plan.tree)))
+        nodes = tree.build(x_n_B, draft_logits, plan.tree)
+        return verify_tree(tree.graft(nodes, branch, known) if plan.lookup else nodes)
 
     if plan.lookup:
         branch, known = tree.context_branch(state.tokens, state.cache.lengths, G)
         branch_only = jnp.all(known[:, -1] | state.done)
         k, emitted, path, block_kvs = jax.lax.cond(
-            branch_only,
-            lambda: verify_tree(tree.graft(tree.root(x_n_B), branch, known)),
-            lambda: drafted(lambda nodes: tree.graft(nodes, branch, known)),
+            branch_only, lambda: verify_tree(tree.graft(tree.root(x_n_B), branch, known)), drafted
         )
     else:
         (k, emitted, path, block_kvs), branch_only = drafted(), jnp.asarray(False)
