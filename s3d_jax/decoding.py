@@ -70,8 +70,9 @@ def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng
 def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, x_n_B, draft_rng, accept_rng):
     """Drafts a token tree and verifies it: `(k, emitted, cache, branch_only)`. With the context branch
     (`plan.lookup`) the branch is grafted onto the tree; when every active row's context supplies all γ
-    of its tokens, the branch is verified alone and the draft pass is skipped (`branch_only` True): the
-    context's guess then costs a pass of γ+1 tokens instead of a draft plus N+γ+1.
+    of its tokens after a match of two tokens or more (`tree.branch_suffices`), the branch is verified
+    alone and the draft pass is skipped (`branch_only` True): the context's guess then costs a pass of
+    γ+1 tokens instead of a draft plus N+γ+1.
 
     Both kinds only read the cache; the nodes' keys and values are written after the choice, so
     that the `lax.cond` between them never holds a cache it must copy."""
@@ -91,8 +92,8 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
         return verify_tree(tree.graft(nodes, branch, known) if plan.lookup else nodes)
 
     if plan.lookup:
-        branch, known = tree.context_branch(state.tokens, state.cache.lengths, G)
-        branch_only = jnp.all(known[:, -1] | state.done)
+        branch, known, matched = tree.context_branch(state.tokens, state.cache.lengths, G)
+        branch_only = tree.branch_suffices(known, matched, state.done)
         k, emitted, path, block_kvs = jax.lax.cond(
             branch_only, lambda: verify_tree(tree.graft(tree.root(x_n_B), branch, known)), drafted
         )

@@ -80,22 +80,36 @@ def root(x_n_B) -> Tree:
 
 
 def context_branch(tokens_BL, n_B, length: int, max_ngram: int = 3):
-    """`(branch [B, length], known [B, length])`: in each row's tokens `[0, n]` (x_n at n), the latest
-    earlier occurrence of the longest suffix of up to `max_ngram` tokens, and the tokens after it.
-    `known` is False past x_n (not generated yet) and everywhere when the last token never occurred before."""
+    """`(branch [B, length], known [B, length], matched [B])`: in each row's tokens `[0, n]` (x_n at n),
+    the latest earlier occurrence of the longest suffix of up to `max_ngram` tokens, and the tokens after
+    it. `known` is False past x_n (not generated yet) and everywhere when the last token never occurred
+    before; `matched` is the length of that suffix (0: none)."""
     B, L = tokens_BL.shape
     ends = jnp.arange(L)[None, :]
     matches = ends < n_B[:, None]  # an occurrence ends at p < n
     best_end = jnp.full((B,), -1, jnp.int32)
+    matched = jnp.zeros((B,), jnp.int32)
     for i in range(max_ngram):  # after step i: the occurrences of the last i+1 tokens
         suffix_token = jnp.take_along_axis(tokens_BL, jnp.maximum(n_B - i, 0)[:, None], axis=1)
         earlier = jnp.pad(tokens_BL, ((0, 0), (i, 0)), constant_values=-1)[:, :L]  # earlier[p] = tokens[p - i]
         matches = matches & (earlier == suffix_token) & (n_B >= i)[:, None]
         latest = jnp.max(jnp.where(matches, ends, -1), axis=1)
         best_end = jnp.where(latest >= 0, latest, best_end)  # a longer match wins
+        matched = jnp.where(latest >= 0, i + 1, matched)
     at = best_end[:, None] + 1 + jnp.arange(length)[None, :]
     branch = jnp.take_along_axis(tokens_BL, jnp.minimum(at, L - 1), axis=1)
-    return branch, (best_end[:, None] >= 0) & (at <= n_B[:, None])
+    return branch, (best_end[:, None] >= 0) & (at <= n_B[:, None]), matched
+
+
+# A one-token match is a weak guess: decoding skips the draft only on a match of at least two tokens
+# (README, "The branch alone": E rose on every suite at the same speed).
+BRANCH_ALONE_MIN_MATCH = 2
+
+
+def branch_suffices(known_BG, matched_B, done_B) -> jax.Array:
+    """Whether to verify the context branch alone this iteration: every active row knows all of its
+    branch, copied after a match of at least `BRANCH_ALONE_MIN_MATCH` tokens."""
+    return jnp.all((known_BG[:, -1] & (matched_B >= BRANCH_ALONE_MIN_MATCH)) | done_B)
 
 
 def graft(tree: Tree, branch_BG, known_BG) -> Tree:

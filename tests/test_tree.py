@@ -177,25 +177,39 @@ def test_a_drafter_default_tree_is_used_for_greedy_s3d_only(model):
 
 
 def _reference_branch(tokens, n, length, max_ngram=3):
-    """Plain Python: the tokens after the latest earlier occurrence of the longest suffix of tokens[:n+1]."""
+    """Plain Python: the tokens after the latest earlier occurrence of the longest suffix of tokens[:n+1],
+    and that suffix's length."""
     context = tokens[: n + 1]
     for m in range(min(max_ngram, n + 1), 0, -1):
         for end in range(n - 1, m - 2, -1):
             if context[end - m + 1 : end + 1] == context[n - m + 1 : n + 1]:
-                return context[end + 1 : end + 1 + length]
-    return []
+                return context[end + 1 : end + 1 + length], m
+    return [], 0
 
 
 def test_context_branch_is_the_latest_longest_match():
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 4, (64, 24))  # a small vocabulary: matches of every length occur
     n = rng.integers(0, 24, 64)
-    branch, known = tree.context_branch(jnp.asarray(tokens, jnp.int32), jnp.asarray(n, jnp.int32), 5)
-    branch, known = np.asarray(branch), np.asarray(known)
+    branch, known, matched = map(np.asarray, tree.context_branch(jnp.asarray(tokens, jnp.int32), jnp.asarray(n, jnp.int32), 5))
     for b in range(64):
-        want = _reference_branch(tokens[b].tolist(), int(n[b]), 5)
+        want, length = _reference_branch(tokens[b].tolist(), int(n[b]), 5)
         assert known[b].sum() == len(want) and np.all(known[b][: len(want)]), f"row {b}"
         assert branch[b][: len(want)].tolist() == want, f"row {b}"
+        assert matched[b] == length, f"row {b}"
+    assert set(matched.tolist()) == {0, 1, 2, 3}, "no match, and matches of every length, all occur"
+
+
+def test_the_branch_alone_needs_every_active_row_to_know_it_after_a_long_enough_match():
+    known = jnp.asarray([[True, True], [True, True], [True, False]])
+
+    def suffices(matched, done):
+        return bool(tree.branch_suffices(known, jnp.asarray(matched), jnp.asarray(done)))
+
+    assert suffices([3, 2, 3], [False, False, True]), "the third row is done: its branch does not count"
+    assert not suffices([3, 2, 3], [False, False, False]), "the third row knows only part of its branch"
+    assert not suffices([3, 1, 3], [False, False, True]), "a one-token match is too weak a guess"
+    assert suffices([tree.BRANCH_ALONE_MIN_MATCH] * 3, [False, False, True])
 
 
 def _random_tree(rng, size, gamma, vocab=24, batch=6):
@@ -246,7 +260,7 @@ def test_every_grafted_node_sees_exactly_its_path(model, size):
     cache = _cache_after(model, prefix)
     draft_logits = jax.random.normal(jax.random.key(size), (1, 4, config.vocab_size)).at[..., config.mask_token_id].set(-jnp.inf)
     tokens = jnp.zeros((1, 48), jnp.int32).at[0, : len(prefix) + 1].set(jnp.asarray(prefix + [9]))
-    nodes = tree.graft(tree.build(jnp.asarray([9]), draft_logits, size), *tree.context_branch(tokens, jnp.asarray([len(prefix)]), 4))
+    nodes = tree.graft(tree.build(jnp.asarray([9]), draft_logits, size), *tree.context_branch(tokens, jnp.asarray([len(prefix)]), 4)[:2])
     live_paths = [p for i, p in enumerate(_paths(nodes)) if np.asarray(nodes.live)[0, i]]
     assert [10, 7, 8, 9] in live_paths, "7 8 9 occurred before, followed by 10 7 8 9"
     logits, _ = tree.verify(model.params, config, cache, nodes, 4)

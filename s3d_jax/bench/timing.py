@@ -66,7 +66,7 @@ def tree_verify_ms(model, size: int, gamma: int, lookup: bool = False, **timing)
         nodes = tree.build(x_n, logits + x_n[:, None, None].astype(jnp.float32), size)
         if lookup:  # a context that repeats with period 7, so the branch is found and fully known
             context = (x_n[:, None] + jnp.arange(c.max_len) % 7) % config.vocab_size
-            nodes = tree.graft(nodes, *tree.context_branch(context, c.lengths, gamma))
+            nodes = tree.graft(nodes, *tree.context_branch(context, c.lengths, gamma)[:2])
         return tree.verify(p, config, c, nodes, gamma)[0]
 
     return pass_ms(model, build_and_verify, **timing)
