@@ -108,7 +108,7 @@ class DecodeStats:
     skip: tuple[int, int] | None
     generated_tokens: list[int]  # per row
     iterations: list[int]  # per row: iterations while the row was active
-    accept_histogram: list[list[int]]  # per row: how many iterations accepted k = 0..γ drafts
+    accept_histogram: list[list[int]]  # per row: how many iterations accepted k = 0..reach drafts (Plan.reach)
     decode_seconds: float  # prefill and loop, compilation excluded
     compile_seconds: float
     tree: int = 0  # the token tree's nodes; 0: the argmax chain

@@ -20,7 +20,7 @@ from s3d_jax import tree
 from s3d_jax.cache import KVCache, prompt_forward
 from s3d_jax.config import ModelConfig
 from s3d_jax.model import head_logits
-from s3d_jax.sampling import choose
+from s3d_jax.sampling import Sampling, choose
 from s3d_jax.speculative import Plan, accept, draft, verify
 
 
@@ -35,7 +35,7 @@ class DecodeState:
     eos_ids: jax.Array  # [E]
     rng: jax.Array
     iteration: jax.Array  # [] iterations run so far
-    accept_histogram: jax.Array  # [B, γ+1]: iterations of each row that accepted k drafts
+    accept_histogram: jax.Array  # [B, reach+1]: iterations of each row that accepted k = 0..reach drafts
     branch_only: jax.Array  # [B]: iterations of each row that verified the context branch alone, with no draft pass
 
 
@@ -43,13 +43,16 @@ def _is_eos(tokens, eos_ids):
     return jnp.any(tokens[..., None] == eos_ids, axis=-1)
 
 
-def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng, *, config: ModelConfig, plan: Plan, max_len: int):
-    """Runs the padded prompts through the full model and picks each row's first new token."""
+def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng, *, config: ModelConfig, sampling: Sampling,
+            reach: int, max_len: int):
+    """Runs the padded prompts through the full model and picks each row's first new token. Only the
+    sampling and the plan's reach (the acceptance histogram's width) shape it, so one prefill serves
+    every γ, tree size and method of equal reach."""
     B, P = prompts_BP.shape
     hidden, cache = prompt_forward(params, config, prompts_BP, max_len)
     last_hidden = jnp.take_along_axis(hidden, (prompt_lengths_B - 1)[:, None, None], axis=1)
     rng, first_rng = jax.random.split(rng)
-    first = choose(first_rng, head_logits(params, config, last_hidden)[:, 0], plan.sampling)
+    first = choose(first_rng, head_logits(params, config, last_hidden)[:, 0], sampling)
     tokens = jnp.zeros((B, max_len), jnp.int32).at[:, :P].set(prompts_BP)
     tokens = tokens.at[jnp.arange(B), prompt_lengths_B].set(first)
     return DecodeState(
@@ -62,7 +65,7 @@ def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng
         eos_ids=eos_ids,
         rng=rng,
         iteration=jnp.zeros((), jnp.int32),
-        accept_histogram=jnp.zeros((B, plan.gamma + 1), jnp.int32),
+        accept_histogram=jnp.zeros((B, reach + 1), jnp.int32),
         branch_only=jnp.zeros((B,), jnp.int32),
     )
 
@@ -71,16 +74,17 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
     """Drafts a token tree and verifies it: `(k, emitted, cache, branch_only)`. With the context branch
     (`plan.lookup`) the branch is grafted onto the tree; when every active row's context supplies all γ
     of its tokens after a match of two tokens or more (`tree.branch_suffices`), the branch is verified
-    alone and the draft pass is skipped (`branch_only` True): the context's guess then costs a pass of
-    γ+1 tokens instead of a draft plus N+γ+1.
+    alone and the draft pass is skipped (`branch_only` True). The branch alone then runs on through the
+    tree's N+γ slots (`plan.reach`), so that a long copy can accept more than γ tokens in one pass;
+    grafted onto a drafted tree it keeps its first γ.
 
     Both kinds only read the cache; the nodes' keys and values are written after the choice, so
     that the `lax.cond` between them never holds a cache it must copy."""
-    G, rows = plan.gamma, plan.nodes + 1
+    G, reach, rows = plan.gamma, plan.reach, plan.nodes + 1
 
     def verify_tree(nodes):
-        logits, block_kvs = tree.verify_block(params, config, state.cache, nodes, G)
-        k, emitted, path = tree.accept(accept_rng, nodes, logits, G, plan.sampling)
+        logits, block_kvs = tree.verify_block(params, config, state.cache, nodes, reach)
+        k, emitted, path = tree.accept(accept_rng, nodes, logits, reach, plan.sampling)
         pad = rows - nodes.tokens.shape[1]  # the branch alone: the slots past it are stale, as any past n + k
         block_kvs = tuple((jnp.pad(key, ((0, 0), (0, 0), (0, pad), (0, 0))), jnp.pad(value, ((0, 0), (0, 0), (0, 0), (0, pad))))
                           for key, value in block_kvs)
@@ -89,11 +93,11 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
     def drafted():
         _, draft_logits, _ = draft(params, config, plan, state.cache, x_n_B, draft_rng, state.tokens)
         nodes = tree.build(x_n_B, draft_logits, plan.tree)
-        return verify_tree(tree.graft(nodes, branch, known) if plan.lookup else nodes)
+        return verify_tree(tree.graft(nodes, branch[:, :G], known[:, :G]) if plan.lookup else nodes)
 
     if plan.lookup:
-        branch, known, matched = tree.context_branch(state.tokens, state.cache.lengths, G)
-        branch_only = tree.branch_suffices(known, matched, state.done)
+        branch, known, matched = tree.context_branch(state.tokens, state.cache.lengths, reach)
+        branch_only = tree.branch_suffices(known[:, :G], matched, state.done)
         k, emitted, path, block_kvs = jax.lax.cond(
             branch_only, lambda: verify_tree(tree.graft(tree.root(x_n_B), branch, known)), drafted
         )
@@ -105,7 +109,7 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
 
 def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> DecodeState:
     """One draft-verify-accept iteration for every row; finished rows are left unchanged."""
-    B, G = state.tokens.shape[0], plan.gamma
+    B, reach = state.tokens.shape[0], plan.reach
     n = state.cache.lengths
     x_n = jnp.take_along_axis(state.tokens, n[:, None], axis=1)[:, 0]
     rng, draft_rng, accept_rng = jax.random.split(state.rng, 3)
@@ -118,14 +122,14 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
         branch_only = jnp.asarray(False)
 
     # Keep the emitted tokens up to and including the first EOS, within max_new_tokens.
-    j = jnp.arange(G + 1)[None, :]
-    eos_at = jnp.where(_is_eos(emitted, state.eos_ids) & (j <= k[:, None]), j, G + 1)
+    j = jnp.arange(reach + 1)[None, :]
+    eos_at = jnp.where(_is_eos(emitted, state.eos_ids) & (j <= k[:, None]), j, reach + 1)
     first_eos = jnp.min(eos_at, axis=1)
     room = state.max_new_tokens - state.num_generated
     count = jnp.where(state.done, 0, jnp.minimum(jnp.minimum(k + 1, first_eos + 1), room))
 
     write_at = n + 1
-    old = jax.vmap(lambda row, at: jax.lax.dynamic_slice_in_dim(row, at, G + 1))(state.tokens, write_at)
+    old = jax.vmap(lambda row, at: jax.lax.dynamic_slice_in_dim(row, at, reach + 1))(state.tokens, write_at)
     new = jnp.where(j < count[:, None], emitted, old)
     tokens = jax.vmap(lambda row, block, at: jax.lax.dynamic_update_slice_in_dim(row, block, at, 0))(
         state.tokens, new, write_at
@@ -153,7 +157,7 @@ def advance(params, state: DecodeState, stop_iteration, *, config: ModelConfig, 
     )
 
 
-_prefill_jit = jax.jit(prefill, static_argnames=("config", "plan", "max_len"))
+_prefill_jit = jax.jit(prefill, static_argnames=("config", "sampling", "reach", "max_len"))
 _advance_jit = jax.jit(advance, static_argnames=("config", "plan"), donate_argnames="state")
 
 
@@ -228,9 +232,8 @@ class Run:
             return
         statics = dict(config=self.config, plan=self.plan)
         args = self._prefill_args()
-        # The prefill does not depend on the tree size: one prefill serves every size.
-        prefill_plan = dataclasses.replace(self.plan, tree=0)
-        prefill_exe, prefill_seconds = compiled(_prefill_jit, *args, config=self.config, plan=prefill_plan, max_len=self.max_len)
+        prefill_exe, prefill_seconds = compiled(_prefill_jit, *args, config=self.config, sampling=self.plan.sampling,
+                                                reach=self.plan.reach, max_len=self.max_len)
         # The loop state's shapes, read off the executable rather than traced a second time.
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prefill_exe.out_info)
         stop = jax.ShapeDtypeStruct((), jnp.int32)

@@ -50,6 +50,12 @@ class Plan:
         return self.tree + self.gamma * self.lookup
 
     @property
+    def reach(self) -> int:
+        """The most drafts an iteration can accept: γ, or with the context branch the tree's slots,
+        which the branch fills when it is verified alone."""
+        return self.nodes if self.tree and self.lookup else self.gamma
+
+    @property
     def block(self) -> int:
         """Cache slots an iteration writes past `n`: the γ drafts, or the tree's slots."""
         return max(self.gamma, self.nodes)

@@ -10,7 +10,7 @@ a static N nodes is verified:
            Where the tree already holds the branch's first tokens the branch follows those nodes;
            a slot the branch does not need is dead (never accepted). When the context supplies all
            γ branch tokens, the decode loop verifies the branch alone on a bare `root` instead
-           (no draft pass; `decoding.tree_iteration`)
+           (no draft pass; `decoding.tree_iteration`), and the branch then fills all N+γ slots
   verify   `[x_n, node_1 .. node_N]` in one full-model pass: node i at position n + depth(i), seeing
            the cache and its ancestors only; their keys and values go to slots n .. n+N
   accept   the verifier picks one token at every node: its argmax (greedy), or an independent sample

@@ -123,14 +123,16 @@ def test_tree_accepts_at_least_what_the_chain_does():
 
 
 def test_one_compile_per_tree_size(model):
-    def compiles(prompt, tree):
+    def compiles(prompt, tree, lookup):
         before = decoding.compile_count()
-        s3d_jax.decode(model, prompt, tree=tree, gamma=3, skip=(2, 3), max_new_tokens=6, eos_token_ids=())
+        s3d_jax.decode(model, prompt, tree=tree, lookup=lookup, gamma=3, skip=(2, 3), max_new_tokens=6, eos_token_ids=())
         return decoding.compile_count() - before
 
-    assert compiles([1, 2, 3], 8) in (1, 2), "the loop, and the prefill unless an earlier decode of this bucket built it"
-    assert compiles([4, 5, 6, 7], 8) == 0, "another prompt of the same bucket compiles nothing"
-    assert compiles([4, 5, 6, 7], 9) == 1, "a new size compiles the loop again (N is a static shape); the prefill is shared"
+    assert compiles([1, 2, 3], 8, False) in (1, 2), "the loop, and the prefill unless an earlier decode of this bucket built it"
+    assert compiles([4, 5, 6, 7], 8, False) == 0, "another prompt of the same bucket compiles nothing"
+    assert compiles([4, 5, 6, 7], 9, False) == 1, "a new size compiles the loop again (N is a static shape); the prefill is shared"
+    assert compiles([4, 5, 6, 7], 9, True) == 2, "with the context branch the reach is N+γ: the prefill's histogram too"
+    assert compiles([1, 2, 3], 9, True) == 0
 
 
 @pytest.mark.parametrize("options,match", [
@@ -297,7 +299,7 @@ def test_bad_lookup_requests(model, options, match):
 
 def test_a_context_that_supplies_the_whole_branch_skips_the_draft(model):
     """Where every active row's context gives all γ branch tokens, the iteration verifies the branch
-    alone (no draft pass, a pass of γ+1 tokens); the output is still plain greedy's."""
+    alone (no draft pass); the output is still plain greedy's."""
     prompt = [3, 14, 15, 92, 65, 35] * 5
     plain = s3d_jax.decode(model, prompt, method="ar", max_new_tokens=24, eos_token_ids=())
     options = dict(gamma=3, skip=(2, 3), tree=4, max_new_tokens=24, eos_token_ids=())
@@ -307,3 +309,19 @@ def test_a_context_that_supplies_the_whole_branch_skips_the_draft(model):
     assert 0 < sum(with_branch.stats.branch_only) <= sum(with_branch.stats.iterations)
     assert sum(without.stats.branch_only) == 0
     assert "the context branch alone" in with_branch.stats.summary()
+
+
+def test_the_branch_alone_accepts_more_than_gamma_from_a_long_copy(model):
+    """The branch alone runs on past γ through all N+γ slots, so one pass can accept more than γ
+    tokens where the context holds a long enough copy; the output is still plain greedy's. (This
+    prompt sends the tiny model's greedy reply into a cycle of 3 tokens, which the branch copies.)"""
+    seed = np.random.default_rng(3).integers(0, 95, 6).tolist()
+    reply = s3d_jax.decode(model, seed, method="ar", max_new_tokens=40, eos_token_ids=()).tokens
+    prompt = seed + reply + seed
+    plain = s3d_jax.decode(model, prompt, method="ar", max_new_tokens=32, eos_token_ids=())
+    out = s3d_jax.decode(model, prompt, gamma=2, skip=(2, 3), tree=4, lookup=True, max_new_tokens=32, eos_token_ids=())
+    assert out.tokens == plain.tokens
+    histogram = np.sum(out.stats.accept_histogram, axis=0)
+    assert len(histogram) == 4 + 2 + 1, "k = 0..N+γ"
+    assert histogram[3:].sum() > 0, f"no iteration accepted more than γ = 2 drafts: {histogram.tolist()}"
+    assert len(out.stats.acceptance_per_depth) == 6
