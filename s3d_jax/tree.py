@@ -6,7 +6,8 @@ a static N nodes is verified:
            (depth-by-depth beam of N, then the global best N; ties go to the shallower node, so every
            chosen node's parent is chosen too), nodes ordered depth-major
   graft    optionally, γ more slots for a branch copied from the row's own context (prompt lookup):
-           the γ tokens that followed the latest earlier occurrence of the context's last 1-3 tokens.
+           the γ tokens that followed the latest earlier occurrence of the context's last 1-3 tokens
+           (where they run into x_n, the copy goes on copying itself, as a text in a loop would).
            Where the tree already holds the branch's first tokens the branch follows those nodes;
            a slot the branch does not need is dead (never accepted). When the context supplies all
            γ branch tokens, the decode loop verifies the branch alone on a bare `root` instead
@@ -82,8 +83,8 @@ def root(x_n_B) -> Tree:
 def context_branch(tokens_BL, n_B, length: int, max_ngram: int = 3):
     """`(branch [B, length], known [B, length], matched [B])`: in each row's tokens `[0, n]` (x_n at n),
     the latest earlier occurrence of the longest suffix of up to `max_ngram` tokens, and the tokens after
-    it. `known` is False past x_n (not generated yet) and everywhere when the last token never occurred
-    before; `matched` is the length of that suffix (0: none)."""
+    it, continued past x_n by copying the copy itself. `known` is False for a row whose last token never
+    occurred before (all of its branch) and True otherwise; `matched` is the suffix's length (0: none)."""
     B, L = tokens_BL.shape
     ends = jnp.arange(L)[None, :]
     matches = ends < n_B[:, None]  # an occurrence ends at p < n
@@ -96,9 +97,12 @@ def context_branch(tokens_BL, n_B, length: int, max_ngram: int = 3):
         latest = jnp.max(jnp.where(matches, ends, -1), axis=1)
         best_end = jnp.where(latest >= 0, latest, best_end)  # a longer match wins
         matched = jnp.where(latest >= 0, i + 1, matched)
-    at = best_end[:, None] + 1 + jnp.arange(length)[None, :]
-    branch = jnp.take_along_axis(tokens_BL, jnp.minimum(at, L - 1), axis=1)
-    return branch, (best_end[:, None] >= 0) & (at <= n_B[:, None]), matched
+    # The copy runs on into itself: past x_n it repeats the `period` tokens after the match, the
+    # guess that a text in a loop stays in it (README, "The branch copies into itself").
+    period = jnp.maximum(n_B - best_end, 1)[:, None]
+    at = best_end[:, None] + 1 + jnp.arange(length)[None, :] % period
+    branch = jnp.take_along_axis(tokens_BL, jnp.clip(at, 0, L - 1), axis=1)
+    return branch, jnp.broadcast_to(best_end[:, None] >= 0, at.shape), matched
 
 
 # A one-token match is a weak guess: decoding skips the draft only on a match of at least two tokens

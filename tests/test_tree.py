@@ -179,14 +179,17 @@ def test_a_drafter_default_tree_is_used_for_greedy_s3d_only(model):
 
 
 def _reference_branch(tokens, n, length, max_ngram=3):
-    """Plain Python: the tokens after the latest earlier occurrence of the longest suffix of tokens[:n+1],
-    and that suffix's length."""
+    """Plain Python: the `length` tokens after the latest earlier occurrence of the longest suffix of
+    tokens[:n+1], copying on past x_n; that suffix's length; and where the occurrence ends."""
     context = tokens[: n + 1]
     for m in range(min(max_ngram, n + 1), 0, -1):
         for end in range(n - 1, m - 2, -1):
             if context[end - m + 1 : end + 1] == context[n - m + 1 : n + 1]:
-                return context[end + 1 : end + 1 + length], m
-    return [], 0
+                copied = list(context)
+                for j in range(length):  # copying on past x_n copies what was just copied
+                    copied.append(copied[end + 1 + j])
+                return copied[n + 1 :], m, end
+    return [], 0, None
 
 
 def test_context_branch_is_the_latest_longest_match():
@@ -194,12 +197,15 @@ def test_context_branch_is_the_latest_longest_match():
     tokens = rng.integers(0, 4, (64, 24))  # a small vocabulary: matches of every length occur
     n = rng.integers(0, 24, 64)
     branch, known, matched = map(np.asarray, tree.context_branch(jnp.asarray(tokens, jnp.int32), jnp.asarray(n, jnp.int32), 5))
+    copies_itself = 0
     for b in range(64):
-        want, length = _reference_branch(tokens[b].tolist(), int(n[b]), 5)
-        assert known[b].sum() == len(want) and np.all(known[b][: len(want)]), f"row {b}"
+        want, length, end = _reference_branch(tokens[b].tolist(), int(n[b]), 5)
+        assert known[b].sum() == len(want) and np.all(known[b][: len(want)]), f"row {b}: all or nothing"
         assert branch[b][: len(want)].tolist() == want, f"row {b}"
         assert matched[b] == length, f"row {b}"
+        copies_itself += end is not None and end + 5 > n[b]
     assert set(matched.tolist()) == {0, 1, 2, 3}, "no match, and matches of every length, all occur"
+    assert copies_itself, "some branch runs into x_n and copies itself"
 
 
 def test_the_branch_alone_needs_every_active_row_to_know_it_after_a_long_enough_match():
