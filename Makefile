@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 LIMIT ?= 10
-PROMPT ?= What is the capital of France? Answer in one sentence.
+PROMPT ?= Write a Python function that returns the n-th Fibonacci number, and explain how it works.
 # Test processes (pytest-xdist), one test file each: 2 fits the 2-core CI machine (17-23 min against 25 serially there).
 TEST_WORKERS ?= 2
 

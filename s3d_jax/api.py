@@ -44,7 +44,9 @@ def load(
     if drafter is None and draft_vocab_size:
         raise ValueError("draft_vocab_size needs a drafter, whose token ranking it reads")
     model = bundled.load(dtype) if path is None else checkpoint.load(path, dtype)
-    return model if drafter is None else drafter_lib.apply(model, drafter, draft_vocab_size)
+    model = model if drafter is None else drafter_lib.apply(model, drafter, draft_vocab_size)
+    decoding.release_freed_memory()  # the load's host copies
+    return model
 
 
 def token_array(token_ids, config: ModelConfig) -> np.ndarray:

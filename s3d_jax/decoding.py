@@ -7,6 +7,8 @@ cache included, is donated: the cache is updated in place.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import functools
 import time
@@ -183,6 +185,24 @@ def few_row_compiler_options() -> dict | None:
 _executables: dict = {}
 
 
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hands the heap pages that are free back to the OS (glibc's `malloc_trim`). XLA's CPU compiler
+    and a checkpoint's load free most of what they allocate, but glibc keeps those pages: without
+    this the compiled S3D loop held about 200 MiB of freed heap (README, "Memory: the freed heap
+    handed back")."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def compiled(fn, *args, compiler_options: dict | None = None, **statics):
     """`fn` compiled ahead of time for the shapes of `args` (cached); returns (executable, compile seconds)."""
     leaves, treedef = jax.tree.flatten(args)
@@ -192,7 +212,9 @@ def compiled(fn, *args, compiler_options: dict | None = None, **statics):
         return _executables[key], 0.0
     start = time.perf_counter()
     _executables[key] = fn.lower(*args, **statics).compile(compiler_options)
-    return _executables[key], time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    release_freed_memory()
+    return _executables[key], seconds
 
 
 def compile_count() -> int:
