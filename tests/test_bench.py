@@ -2,8 +2,11 @@
 
 import csv
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -153,3 +156,34 @@ def test_every_command_line_passes_its_dtype_to_load():
     for parse, argv in ((generate.parse_args, ["--prompt", "hi"]), (bench.parse_args, []), (bench_decode.parse_args, [])):
         assert load_arguments(parse(argv))["dtype"] is None
         assert load_arguments(parse([*argv, "--dtype", "bfloat16"]))["dtype"] == "bfloat16"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the kernel's parent-death signal is Linux's")
+def test_an_engine_ends_when_its_benchmark_is_killed(tmp_path):
+    """Killing the benchmark (SIGKILL, so no cleanup of its own runs) ends the engine it started."""
+    pid_file = tmp_path / "engine.pid"
+    engine = ("import os, sys, time; from s3d_jax.bench import harness; "
+              "harness.serve(lambda r: (open(r['pid_file'], 'w').write(str(os.getpid())), time.sleep(120)), *sys.argv[1:])")
+    parent = subprocess.Popen([sys.executable, "-c", "import sys; from s3d_jax.bench.harness import run_engine; "
+                               f"run_engine(['-c', {engine!r}], {{'pid_file': {str(pid_file)!r}}})"])
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    engine_pid = int(pid_file.read_text())
+    assert _alive(engine_pid)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survived = _alive(engine_pid)
+    if survived:
+        os.kill(engine_pid, signal.SIGKILL)
+    assert not survived, "the engine went on running after its benchmark was killed"

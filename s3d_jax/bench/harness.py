@@ -2,13 +2,17 @@
 the transformers peers import it.
 
 The parent calls `run_engine(command, request)`; the child, `python *command REQUEST RESULT`,
-calls `serve(engine, REQUEST, RESULT)`, which writes `engine(request)` as JSON.
+calls `serve(engine, REQUEST, RESULT)`, which writes `engine(request)` as JSON. A child ends with its
+parent, however the parent ends (a kill included), so no engine is left decoding on its own.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,12 +24,30 @@ def run_engine(command: list[str], request: dict) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         request_path, result_path = Path(scratch) / "request.json", Path(scratch) / "result.json"
         request_path.write_text(json.dumps(request))
-        subprocess.run([sys.executable, *command, str(request_path), str(result_path)], check=True)
+        env = {**os.environ, PARENT_PID: str(os.getpid())}
+        subprocess.run([sys.executable, *command, str(request_path), str(result_path)], check=True, env=env)
         return json.loads(result_path.read_text())
+
+
+PARENT_PID = "S3D_JAX_BENCH_PARENT_PID"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def end_with_parent() -> None:
+    """On Linux, has the kernel send this process SIGTERM when the process that started it ends. A
+    parent that ended before the request was made is caught by comparing its pid with the one
+    `run_engine` passed down."""
+    if sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    expected = os.environ.get(PARENT_PID)
+    if expected is not None and os.getppid() != int(expected):
+        sys.exit(f"the benchmark that started this engine (pid {expected}) has already ended")
 
 
 def serve(engine, request_path: str, result_path: str) -> int:
     """The child's side of `run_engine`: `engine(request) -> result`, both JSON files."""
+    end_with_parent()
     result = engine(json.loads(Path(request_path).read_text()))
     Path(result_path).write_text(json.dumps(result))
     return 0
