@@ -253,7 +253,8 @@ def plan_for(config: ModelConfig, options: DecodeOptions) -> Plan:
     if tree > draftable:
         raise ValueError(f"tree {tree} has more nodes than the {draftable} tokens the draft can propose at each depth")
     if options.lookup and not tree:
-        raise ValueError("lookup grafts a branch onto a token tree, and this decode drafts the argmax chain: give tree=N")
+        raise ValueError("lookup verifies a context branch through a token tree's slots, and this decode drafts the argmax chain: "
+                         "give tree=N")
     lookup = bool(tree) if options.lookup is None else options.lookup
     return Plan.make(config, options.method, gamma, skip, sampling, tree, lookup)
 

@@ -74,28 +74,28 @@ def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng
 
 def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, x_n_B, draft_rng, accept_rng):
     """Drafts a token tree and verifies it: `(k, emitted, cache, branch_only)`. With the context branch
-    (`plan.lookup`) the branch is grafted onto the tree; when every active row's context supplies all γ
-    of its tokens after a match of two tokens or more (`tree.branch_suffices`), the branch is verified
-    alone and the draft pass is skipped (`branch_only` True). The branch alone then runs on through the
-    tree's N+γ slots (`plan.reach`), so that a long copy can accept more than γ tokens in one pass;
-    grafted onto a drafted tree it keeps its first γ.
+    (`plan.lookup`), when every active row's context supplies all γ of its tokens after a match of two
+    tokens or more (`tree.branch_suffices`), the branch is verified alone instead and the draft pass is
+    skipped (`branch_only` True). The branch alone runs on through the tree's N+γ slots (`plan.reach`),
+    so that a long copy can accept more than γ tokens in one pass. A drafted tree is verified without
+    the branch: on a CPU every row of a verify pass costs time, and a branch after a weaker match
+    accepted too little to pay for its rows (README, "A drafted tree verified alone").
 
-    Both kinds only read the cache; the nodes' keys and values are written after the choice, so
-    that the `lax.cond` between them never holds a cache it must copy."""
+    Both kinds only read the cache; the nodes' keys and values are written after the choice, padded to
+    one shape, so that the `lax.cond` between them never holds a cache it must copy."""
     G, reach, rows = plan.gamma, plan.reach, plan.nodes + 1
 
     def verify_tree(nodes):
         logits, block_kvs = tree.verify_block(params, config, state.cache, nodes, reach)
         k, emitted, path = tree.accept(accept_rng, nodes, logits, reach, plan.sampling)
-        pad = rows - nodes.tokens.shape[1]  # the branch alone: the slots past it are stale, as any past n + k
+        pad = rows - nodes.tokens.shape[1]  # the slots past the block are stale, as any past n + k
         block_kvs = tuple((jnp.pad(key, ((0, 0), (0, 0), (0, pad), (0, 0))), jnp.pad(value, ((0, 0), (0, 0), (0, 0), (0, pad))))
                           for key, value in block_kvs)
         return k, emitted, path, block_kvs
 
     def drafted():
         _, draft_logits, _ = draft(params, config, plan, state.cache, x_n_B, draft_rng, state.tokens)
-        nodes = tree.build(x_n_B, draft_logits, plan.tree)
-        return verify_tree(tree.graft(nodes, branch[:, :G], known[:, :G]) if plan.lookup else nodes)
+        return verify_tree(tree.build(x_n_B, draft_logits, plan.tree))
 
     if plan.lookup:
         branch, known, matched = tree.context_branch(state.tokens, state.cache.lengths, reach)

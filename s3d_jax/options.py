@@ -30,7 +30,7 @@ class DecodeOptions:
     eos_token_ids: tuple[int, ...] | None = None  # None: the checkpoint's and the tokenizer's
     max_len: int | None = None  # cache positions; None: the smallest bucket that fits
     tree: int | None = None  # S3D only: verify a token tree of this many nodes; 0: the argmax chain; None: the drafter's
-    lookup: bool | None = None  # with a tree: also verify γ tokens copied from the context; None: on whenever a tree is
+    lookup: bool | None = None  # with a tree: verify tokens copied from the context alone when they suffice; None: on whenever a tree is
 
     def __post_init__(self):
         """Checks every field's type and range (what needs the model is checked by `api.prepare`)."""
@@ -62,7 +62,7 @@ class DecodeOptions:
         if self.lookup is not None and not isinstance(self.lookup, bool):
             raise TypeError(f"lookup must be True or False, got {self.lookup!r}")
         if self.lookup and self.method != "s3d":
-            raise ValueError(f"the context branch is grafted onto an S3D token tree: it needs method 's3d', not {self.method!r}")
+            raise ValueError(f"the context branch runs through an S3D token tree's slots: it needs method 's3d', not {self.method!r}")
         if self.skip is not None:
             if isinstance(self.skip, (str, bytes)) or not hasattr(self.skip, "__len__") or len(self.skip) != 2:
                 raise TypeError(f"skip must be a pair of layer indices (l, h), got {self.skip!r}")
@@ -115,8 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser, methods: bool = True) -> None
     parser.add_argument("--tree", type=int, default=None, metavar="N",
                         help="S3D: verify a token tree of N nodes from the draft's per-depth distributions (0: the chain)")
     parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
-                        help="with a tree: also verify the γ tokens that followed the context's last tokens where they "
-                             "occurred before (default: on with a tree)")
+                        help="with a tree: when the context's last tokens occurred before, verify the tokens that followed "
+                             "them alone, with no draft pass (default: on with a tree)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-k", type=int, default=0)

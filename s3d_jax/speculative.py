@@ -35,7 +35,7 @@ class Plan:
     draft_layers: tuple[int, ...]
     sampling: Sampling
     tree: int = 0  # > 0: verify a token tree of this many nodes instead of the argmax chain
-    lookup: bool = False  # with a tree: graft γ more slots, a branch copied from the context (tree.graft)
+    lookup: bool = False  # with a tree: verify a branch copied from the context alone when it suffices (tree.graft)
 
     @classmethod
     def make(cls, config: ModelConfig, method: str, gamma: int = 0, skip=None, sampling: Sampling | None = None, tree: int = 0,
@@ -46,7 +46,8 @@ class Plan:
 
     @property
     def nodes(self) -> int:
-        """A tree's slots: its N nodes, and the grafted branch's γ."""
+        """A tree's slots: its N nodes, and with the context branch γ more, which the branch verified
+        alone runs through."""
         return self.tree + self.gamma * self.lookup
 
     @property

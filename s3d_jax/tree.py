@@ -5,13 +5,13 @@ a static N nodes is verified:
   build    the N best root-to-node paths by the sum of draft log-probabilities along the path
            (depth-by-depth beam of N, then the global best N; ties go to the shallower node, so every
            chosen node's parent is chosen too), nodes ordered depth-major
-  graft    optionally, γ more slots for a branch copied from the row's own context (prompt lookup):
-           the γ tokens that followed the latest earlier occurrence of the context's last 1-3 tokens
-           (where they run into x_n, the copy goes on copying itself, as a text in a loop would).
-           Where the tree already holds the branch's first tokens the branch follows those nodes;
-           a slot the branch does not need is dead (never accepted). When the context supplies all
-           γ branch tokens, the decode loop verifies the branch alone on a bare `root` instead
-           (no draft pass; `decoding.tree_iteration`), and the branch then fills all N+γ slots
+  graft    a branch copied from the row's own context (prompt lookup) as a root-to-node path: the
+           tokens that followed the latest earlier occurrence of the context's last 1-3 tokens (where
+           they run into x_n, the copy goes on copying itself, as a text in a loop would). When the
+           context supplies all γ of them, the decode loop verifies the branch alone on a bare `root`,
+           through all N+γ slots, instead of drafting (`decoding.tree_iteration`). Where a tree already
+           holds the branch's first tokens the branch follows those nodes, and a slot the branch does
+           not need is dead (never accepted)
   verify   `[x_n, node_1 .. node_N]` in one full-model pass: node i at position n + depth(i), seeing
            the cache and its ancestors only; their keys and values go to slots n .. n+N
   accept   the verifier picks one token at every node: its argmax (greedy), or an independent sample

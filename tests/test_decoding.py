@@ -181,7 +181,7 @@ def _target_joint(model, prompt, sampling, depth=3):
 def test_speculative_sampling_is_lossless(method, sampling):
     """The first generated tokens follow the target model's distribution (chi-squared, fixed seed),
     for the chain's rejection rule and for a tree's sample-and-match rule, with the context branch
-    grafted on (the default with a tree) and without."""
+    (the default with a tree) and without."""
     scipy_stats = pytest.importorskip("scipy.stats")
     model = tiny_model(seed=7, scale=10.0, vocab_size=6, mask_token_id=5)
     prompt = [1, 3, 2]

@@ -136,7 +136,7 @@ def tree_points(model, args, size: int, skip, decode: DecodeOptions, step_ms: fl
 
 def tree_point(model, args, size: int, lookup: bool, skip, decode: DecodeOptions, step_ms: float, plain: dict, plain_outputs: list) -> dict:
     timed = dict(context=args.context, repeats=args.repeats)
-    verify = timing.tree_verify_ms(model, size, args.gamma, lookup, **timed) if size else timing.verify_ms(model, args.gamma + 1, **timed)
+    verify = timing.tree_verify_ms(model, size, args.gamma, **timed) if size else timing.verify_ms(model, args.gamma + 1, **timed)
     decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method="s3d", tree=size, lookup=lookup))
     e = tokens_per_iteration(decoded.histogram)
     return {"tree": size, "lookup": lookup, "verify_ms": verify, "verify_vs_step": verify / step_ms, "tokens_per_iteration": e,
@@ -215,8 +215,9 @@ def render(jax_result: dict, hf_result: dict | None, args, llama_cpp: dict | Non
         floor = jax_result["pass_floor_ms"][name]
         lines.append(f"| {name} | {ms:.2f} | {ms / step:.2f} | {floor:.2f} | {ms / floor:.2f} |")
     if jax_result.get("tree_sweep"):
-        lines += ["", f"Tree drafting (S3D, gamma {args.gamma}; N = 0 is the argmax chain; + lookup: with the context branch of "
-                  f"{args.gamma} more slots; plain decoding in the same run is 1.00x):",
+        lines += ["", f"Tree drafting (S3D, gamma {args.gamma}; N = 0 is the argmax chain; + lookup: with the context branch, "
+                  "verified alone when the context supplies it; verify ms: the drafted tree's pass; plain decoding in the same run "
+                  "is 1.00x):",
                   "", "| tree nodes N | verify ms | vs plain step | tokens/iteration | S3D vs plain | predicted, memory-bound | "
                   "output equals plain |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for row in jax_result["tree_sweep"]:

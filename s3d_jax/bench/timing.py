@@ -53,9 +53,8 @@ def draft_ms(model, skip, gamma: int, **timing) -> float:
     return pass_ms(model, draft_pass, **timing)
 
 
-def tree_verify_ms(model, size: int, gamma: int, lookup: bool = False, **timing) -> float:
-    """Building a tree of `size` nodes from γ draft distributions (with `lookup`, grafting the context
-    branch's γ slots onto it), and its full-model verify pass."""
+def tree_verify_ms(model, size: int, gamma: int, **timing) -> float:
+    """Building a tree of `size` nodes from γ draft distributions, and its full-model verify pass."""
     config = model.config
     logits = jax.random.normal(jax.random.key(0), (1, gamma, config.vocab_size))
     if config.mask_token_id is not None:
@@ -64,9 +63,6 @@ def tree_verify_ms(model, size: int, gamma: int, lookup: bool = False, **timing)
     def build_and_verify(p, c, x_n):
         # Shifted by x_n (softmax ignores a shift), so XLA cannot fold the tree's top-k into a constant.
         nodes = tree.build(x_n, logits + x_n[:, None, None].astype(jnp.float32), size)
-        if lookup:  # a context that repeats with period 7, so the branch is found and fully known
-            context = (x_n[:, None] + jnp.arange(c.max_len) % 7) % config.vocab_size
-            nodes = tree.graft(nodes, *tree.context_branch(context, c.lengths, gamma)[:2])
         return tree.verify(p, config, c, nodes, gamma)[0]
 
     return pass_ms(model, build_and_verify, **timing)
