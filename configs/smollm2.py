@@ -9,7 +9,9 @@ original model, bit for bit), and a draft head over the 8192 most frequent reply
 ShareGPT's assistant turns). The drafter asks for a token tree of 4 nodes (with the context branch, on with
 every tree): on this CPU a verify pass grows with its rows, and with the branch verified alone whenever
 the context supplies it, 4 nodes were faster than 16, 8 and 2 on MT-Bench, HumanEval and news (README,
-"The branch alone"). On a memory-bound device, where rows are nearly free, `tree=16` accepts more.
+"The branch alone"); measured again once a drafted tree no longer carried the branch, 2 and 4 were
+within noise and 8 slower (README, "A drafted tree verified alone"). On a memory-bound device, where
+rows are nearly free, `tree=16` accepts more.
 """
 
 from s3d_jax.data import default_sharegpt_path
