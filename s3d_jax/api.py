@@ -19,7 +19,7 @@ from s3d_jax.checkpoint import Model
 from s3d_jax.config import ConfigError, ModelConfig, validate_skip
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
 from s3d_jax.model import full_pass, lm_logits
-from s3d_jax.options import DEFAULT_GAMMA, DecodeOptions, check_int, default_skip
+from s3d_jax.options import DEFAULT_GAMMA, DEFAULT_MIN_CERTAINTY, DecodeOptions, check_int, default_skip
 from s3d_jax.sampling import Sampling
 from s3d_jax.speculative import Plan
 
@@ -109,13 +109,15 @@ class DecodeStats:
     gamma: int
     skip: tuple[int, int] | None
     generated_tokens: list[int]  # per row
-    iterations: list[int]  # per row: iterations while the row was active
+    iterations: list[int]  # per row: speculative iterations (drafted, or the branch alone) while the row was active
     accept_histogram: list[list[int]]  # per row: how many iterations accepted k = 0..reach drafts (Plan.reach)
     decode_seconds: float  # prefill and loop, compilation excluded
     compile_seconds: float
     tree: int = 0  # the token tree's nodes; 0: the argmax chain
     lookup: bool = False  # the tree had a branch copied from the context
     branch_only: list[int] = dataclasses.field(default_factory=list)  # per row: iterations that verified that branch alone
+    plain_steps: list[int] = dataclasses.field(default_factory=list)  # per row: plain steps taken instead of drafting (min_certainty)
+    min_certainty: float = 0.0
 
     @property
     def tokens_per_iteration(self) -> float:
@@ -141,6 +143,8 @@ class DecodeStats:
         )
         if self.lookup:
             text += f", {sum(self.branch_only) / max(sum(self.iterations), 1):.0%} of them the context branch alone"
+        if self.min_certainty:
+            text += f", and {sum(self.plain_steps)} plain steps where the text was less predictable than {self.min_certainty:g}"
         return text + (f", acceptance per depth [{depth}]" if self.gamma else "")
 
 
@@ -256,7 +260,11 @@ def plan_for(config: ModelConfig, options: DecodeOptions) -> Plan:
         raise ValueError("lookup verifies a context branch through a token tree's slots, and this decode drafts the argmax chain: "
                          "give tree=N")
     lookup = bool(tree) if options.lookup is None else options.lookup
-    return Plan.make(config, options.method, gamma, skip, sampling, tree, lookup)
+    if options.min_certainty and not tree:
+        raise ValueError("min_certainty chooses between a drafted token tree and a plain step, and this decode drafts the argmax chain: "
+                         "give tree=N")
+    min_certainty = (DEFAULT_MIN_CERTAINTY if tree and sampling.greedy else 0.0) if options.min_certainty is None else options.min_certainty
+    return Plan.make(config, options.method, gamma, skip, sampling, tree, lookup, min_certainty)
 
 
 def prepare(
@@ -311,19 +319,21 @@ def _collect(state: decoding.DecodeState, run: decoding.Run) -> list[list[int]]:
 
 def _output(model: Model, run: decoding.Run, state, batched: bool, seconds: float) -> DecodeOutput:
     tokens = _collect(state, run)
-    hist, iterations, branch_only = jax.device_get((state.accept_histogram, state.accept_histogram.sum(axis=1), state.branch_only))
+    hist, branch_only, plain_steps = jax.device_get((state.accept_histogram, state.branch_only, state.plain_steps))
     stats = DecodeStats(
         method=run.plan.method,
         gamma=run.plan.gamma,
         skip=run.plan.skip,
         generated_tokens=[len(t) for t in tokens],
-        iterations=iterations.tolist(),
+        iterations=hist.sum(axis=1).tolist(),
         accept_histogram=hist.tolist(),
         decode_seconds=seconds,
         compile_seconds=run.compile_seconds,
         tree=run.plan.tree,
         lookup=run.plan.lookup,
         branch_only=branch_only.tolist(),
+        plain_steps=plain_steps.tolist(),
+        min_certainty=run.plan.min_certainty,
     )
     text = None
     if model.tokenizer is not None:

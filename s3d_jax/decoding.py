@@ -39,10 +39,18 @@ class DecodeState:
     iteration: jax.Array  # [] iterations run so far
     accept_histogram: jax.Array  # [B, reach+1]: iterations of each row that accepted k = 0..reach drafts
     branch_only: jax.Array  # [B]: iterations of each row that verified the context branch alone, with no draft pass
+    certainty: jax.Array  # [B] float32: the verifier's top probability where it picked x_n
+    plain_steps: jax.Array  # [B]: iterations of each row that were one plain step (certainty below `plan.min_certainty`)
 
 
 def _is_eos(tokens, eos_ids):
     return jnp.any(tokens[..., None] == eos_ids, axis=-1)
+
+
+def top_probability(logits_BV):
+    """The verifier's probability of its most likely token (at temperature 1): how predictable the text is there."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    return jnp.exp(jnp.max(logits_BV, axis=-1) - jax.nn.logsumexp(logits_BV, axis=-1))
 
 
 def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng, *, config: ModelConfig, sampling: Sampling,
@@ -54,7 +62,8 @@ def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng
     hidden, cache = prompt_forward(params, config, prompts_BP, max_len)
     last_hidden = jnp.take_along_axis(hidden, (prompt_lengths_B - 1)[:, None, None], axis=1)
     rng, first_rng = jax.random.split(rng)
-    first = choose(first_rng, head_logits(params, config, last_hidden)[:, 0], sampling)
+    first_logits = head_logits(params, config, last_hidden)[:, 0]
+    first = choose(first_rng, first_logits, sampling)
     tokens = jnp.zeros((B, max_len), jnp.int32).at[:, :P].set(prompts_BP)
     tokens = tokens.at[jnp.arange(B), prompt_lengths_B].set(first)
     return DecodeState(
@@ -69,44 +78,60 @@ def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng
         iteration=jnp.zeros((), jnp.int32),
         accept_histogram=jnp.zeros((B, reach + 1), jnp.int32),
         branch_only=jnp.zeros((B,), jnp.int32),
+        certainty=top_probability(first_logits),
+        plain_steps=jnp.zeros((B,), jnp.int32),
     )
 
 
-def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, x_n_B, draft_rng, accept_rng):
-    """Drafts a token tree and verifies it: `(k, emitted, cache, branch_only)`. With the context branch
-    (`plan.lookup`), when every active row's context supplies all γ of its tokens after a match of two
-    tokens or more (`tree.branch_suffices`), the branch is verified alone instead and the draft pass is
-    skipped (`branch_only` True). The branch alone runs on through the tree's N+γ slots (`plan.reach`),
-    so that a long copy can accept more than γ tokens in one pass. A drafted tree is verified without
-    the branch: on a CPU every row of a verify pass costs time, and a branch after a weaker match
-    accepted too little to pay for its rows (README, "A drafted tree verified alone").
+# The kinds of tree iteration, in `jax.lax.switch` order.
+DRAFTED, BRANCH_ALONE, PLAIN_STEP = 0, 1, 2
 
-    Both kinds only read the cache; the nodes' keys and values are written after the choice, padded to
-    one shape, so that the `lax.cond` between them never holds a cache it must copy."""
+
+def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, x_n_B, draft_rng, accept_rng):
+    """One iteration over a token tree: `(k, emitted, certainty, cache, kind)`, of one of three kinds.
+      BRANCH_ALONE  with the context branch (`plan.lookup`), when every active row's context supplies
+                    all γ of its tokens after a match of two tokens or more (`tree.branch_suffices`), the
+                    branch is verified alone, with no draft pass. It runs on through the tree's N+γ
+                    slots (`plan.reach`), so that a long copy can accept more than γ tokens in one pass.
+      PLAIN_STEP    otherwise, when every active row's verifier picked x_n with a probability below
+                    `plan.min_certainty`, x_n alone is verified: one plain step, no draft pass. Where the
+                    text is that unpredictable a drafted tree accepts too little to pay for its passes
+                    (README, "Drafting only where the text is predictable").
+      DRAFTED       otherwise the S3D draft pass builds a tree, which is verified without the branch: on
+                    a CPU every row of a verify pass costs time (README, "A drafted tree verified alone").
+
+    Every kind only reads the cache; the nodes' keys and values are written after the choice, padded to
+    one shape, so that the `lax.switch` between them never holds a cache it must copy."""
     G, reach, rows = plan.gamma, plan.reach, plan.nodes + 1
 
     def verify_tree(nodes):
         logits, block_kvs = tree.verify_block(params, config, state.cache, nodes, reach)
         k, emitted, path = tree.accept(accept_rng, nodes, logits, reach, plan.sampling)
+        deepest = jnp.where(k > 0, jnp.take_along_axis(path, jnp.maximum(k - 1, 0)[:, None], axis=1)[:, 0], 0)
+        certainty = top_probability(jnp.take_along_axis(logits, deepest[:, None, None], axis=1)[:, 0])  # where it picked the new x_n
         pad = rows - nodes.tokens.shape[1]  # the slots past the block are stale, as any past n + k
         block_kvs = tuple((jnp.pad(key, ((0, 0), (0, 0), (0, pad), (0, 0))), jnp.pad(value, ((0, 0), (0, 0), (0, 0), (0, pad))))
                           for key, value in block_kvs)
-        return k, emitted, path, block_kvs
+        return k, emitted, certainty, path, block_kvs
 
     def drafted():
         _, draft_logits, _ = draft(params, config, plan, state.cache, x_n_B, draft_rng, state.tokens)
         return verify_tree(tree.build(x_n_B, draft_logits, plan.tree))
 
+    passes = {DRAFTED: drafted}
+    kind = jnp.asarray(DRAFTED)
     if plan.lookup:
         branch, known, matched = tree.context_branch(state.tokens, state.cache.lengths, reach)
-        branch_only = tree.branch_suffices(known[:, :G], matched, state.done)
-        k, emitted, path, block_kvs = jax.lax.cond(
-            branch_only, lambda: verify_tree(tree.graft(tree.root(x_n_B), branch, known)), drafted
-        )
-    else:
-        (k, emitted, path, block_kvs), branch_only = drafted(), jnp.asarray(False)
+        passes[BRANCH_ALONE] = lambda: verify_tree(tree.graft(tree.root(x_n_B), branch, known))
+        kind = jnp.where(tree.branch_suffices(known[:, :G], matched, state.done), BRANCH_ALONE, kind)
+    if plan.min_certainty > 0:
+        passes[PLAIN_STEP] = lambda: verify_tree(tree.root(x_n_B))
+        unpredictable = jnp.all((state.certainty < plan.min_certainty) | state.done)  # no active row worth a draft
+        kind = jnp.where((kind == DRAFTED) & unpredictable, PLAIN_STEP, kind)
+    kinds = sorted(passes)
+    k, emitted, certainty, path, block_kvs = jax.lax.switch(jnp.searchsorted(jnp.asarray(kinds), kind), [passes[c] for c in kinds])
     cache = state.cache.write(config.all_layers, block_kvs)
-    return k, emitted, tree.compact(cache, path, k), branch_only
+    return k, emitted, certainty, tree.compact(cache, path, k), kind
 
 
 def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> DecodeState:
@@ -116,12 +141,13 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
     x_n = jnp.take_along_axis(state.tokens, n[:, None], axis=1)[:, 0]
     rng, draft_rng, accept_rng = jax.random.split(state.rng, 3)
     if plan.tree:
-        k, emitted, cache, branch_only = tree_iteration(params, config, plan, state, x_n, draft_rng, accept_rng)
+        k, emitted, certainty, cache, kind = tree_iteration(params, config, plan, state, x_n, draft_rng, accept_rng)
     else:
         drafts, draft_logits, cache = draft(params, config, plan, state.cache, x_n, draft_rng, state.tokens)
         target_logits, cache = verify(params, config, cache, x_n, drafts)
         k, emitted = accept(accept_rng, drafts, draft_logits, target_logits, plan.sampling)
-        branch_only = jnp.asarray(False)
+        certainty = top_probability(jnp.take_along_axis(target_logits, k[:, None, None], axis=1)[:, 0])
+        kind = jnp.asarray(DRAFTED)
 
     # Keep the emitted tokens up to and including the first EOS, within max_new_tokens.
     j = jnp.arange(reach + 1)[None, :]
@@ -138,6 +164,7 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
     )
     num_generated = state.num_generated + count
     active = ~state.done
+    plain_step = kind == PLAIN_STEP
     return state.replace(
         tokens=tokens,
         cache=cache.replace(lengths=n + count),
@@ -145,8 +172,11 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
         done=state.done | (first_eos < count) | (num_generated >= state.max_new_tokens),
         rng=rng,
         iteration=state.iteration + 1,
-        accept_histogram=state.accept_histogram.at[jnp.arange(B), k].add(active.astype(jnp.int32)),
-        branch_only=state.branch_only + (active & branch_only).astype(jnp.int32),
+        # A plain step verified no draft: it counts apart, not as an iteration that accepted none.
+        accept_histogram=state.accept_histogram.at[jnp.arange(B), k].add((active & ~plain_step).astype(jnp.int32)),
+        branch_only=state.branch_only + (active & (kind == BRANCH_ALONE)).astype(jnp.int32),
+        certainty=jnp.where(active, certainty, state.certainty),
+        plain_steps=state.plain_steps + (active & plain_step).astype(jnp.int32),
     )
 
 

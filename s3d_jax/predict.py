@@ -4,6 +4,7 @@
     python -m s3d_jax.predict --drafters ... --sweep          # also measure every setting, and plot both
     python -m s3d_jax.predict --acceptance measured.json --assume-constant --model PATH
     python -m s3d_jax.predict --drafters s3d_jax/drafters/SmolLM2-135M-Instruct.safetensors --trees 8 16 32 64 [--sweep]
+    python -m s3d_jax.predict --drafters s3d_jax/drafters/SmolLM2-135M-Instruct.safetensors --gates 0 0.5 0.9 1 [--sweep]
 
 Model:
   α_1(r) = 1 - c (1 - r)^κ            first-draft acceptance, → 1 as the draft uses the whole model (r → 1)
@@ -24,6 +25,14 @@ The predictor models the draft's own trees: its measured decoding runs without t
 (`lookup=False`), whose acceptance depends on the text, not on the drafter.
   tree speedup = E(N) · t(1) / (t_draft + t_tree(N) + ε · t(1)), the draft pass and t_tree(N) (tree build and
   verify) measured; with --assume-constant t_draft = r · t(1) and t_tree(N) = t(1)
+
+Drafting gates (--gates): at every position of the model's own greedy replies, what each kind of tree
+iteration of the drafter's defaults would do from there (docs/design.md, "Drafting only where the text
+is predictable"): the drafts its tree would accept, whether the context supplies the branch and what
+the branch alone would accept, and the verifier's certainty of x_n. Replaying the decode loop's choice
+for each `min_certainty` over those records, with each kind's measured pass cost, predicts its speed:
+  speedup = tokens / Σ cost(kind of each iteration), in plain steps; an oracle drafts exactly where
+  the tree emits more tokens than it costs.
 """
 
 from __future__ import annotations
@@ -39,15 +48,17 @@ import jax.numpy as jnp
 import numpy as np
 from matplotlib.figure import Figure
 
-from s3d_jax import api
+from s3d_jax import api, tree
 from s3d_jax import drafter as drafter_lib
 from s3d_jax.bench.methods import decode_prompts
 from s3d_jax.bench.suites import load_suite
 from s3d_jax.bench.timing import draft_ms, tree_verify_ms, verify_ms
 from s3d_jax.cache import prompt_forward
+from s3d_jax.decoding import top_probability
 from s3d_jax.metrics import acceptance_per_depth, expected_tokens, tokens_per_iteration
+from s3d_jax.model import head_logits
 from s3d_jax.options import DecodeOptions
-from s3d_jax.speculative import Plan, draft_s3d
+from s3d_jax.speculative import Plan, draft, draft_s3d
 
 RANKS = 8  # draft ranks the tree analysis tells apart; a token ranked lower is out of every tree's reach
 TOP_K = (1, 2, 4, 8)  # reported: acceptance per depth when the tree holds the draft's k first choices
@@ -235,6 +246,111 @@ def predict_trees(model, args, pass_ms, plain_speed: float | None) -> dict:
     return {"skip": list(config.draft_skip), "gamma": gamma, **analysis, "rows": rows, "recommended_tree": best["tree"]}
 
 
+# ------------------------------------------------------------------ drafting gates
+
+
+def iteration_outcomes(model, replies, plan: Plan) -> list[dict]:
+    """Per reply, arrays over its positions n (x_n a token of the reply, the cache holding the full
+    model's entries before n, as in decoding): `certainty` (the verifier's top probability where it
+    picked x_n), `drafted` (drafts the plan's tree would accept), `branch` (whether the context
+    supplies the branch alone) and `branch_k` (drafts the branch alone would accept)."""
+    config, key = model.config, jax.random.key(0)
+
+    @jax.jit
+    def outcomes(params, ids, positions):
+        hidden, cache = prompt_forward(params, config, ids[None], ids.shape[0])
+        certainty = top_probability(head_logits(params, config, hidden)[0])  # at p: where the verifier picked ids[p + 1]
+
+        def at(n):
+            seen = jnp.where(jnp.arange(ids.shape[0]) <= n, ids, 0)[None]  # the context so far, as decoding has it
+            at_n, x_n = cache.replace(lengths=n[None]), ids[n][None]
+
+            def accepted(nodes):
+                logits, _ = tree.verify_block(params, config, at_n, nodes, plan.reach)
+                return tree.accept(key, nodes, logits, plan.reach, plan.sampling)[0][0]
+
+            _, draft_logits, _ = draft(params, config, plan, at_n, x_n, key, seen)
+            branch, known, matched = tree.context_branch(seen, n[None], plan.reach)
+            suffices = tree.branch_suffices(known[:, : plan.gamma], matched, jnp.zeros((1,), bool))
+            return {"certainty": certainty[n - 1], "drafted": accepted(tree.build(x_n, draft_logits, plan.tree)),
+                    "branch": suffices, "branch_k": accepted(tree.graft(tree.root(x_n), branch, known))}
+
+        return jax.lax.map(at, positions)
+
+    out = []
+    for prompt, reply in replies:
+        ids = prompt + reply
+        positions = np.arange(len(prompt), len(ids) - 1)
+        padded_ids = np.zeros(api.bucket(len(ids) + plan.reach), np.int32)  # room past the end for the tree's slots
+        padded_ids[: len(ids)] = ids
+        padded = np.resize(positions, api.bucket(len(positions)))  # repeats positions: one compile per bucket
+        out.append({k: np.asarray(v)[: len(positions)] for k, v in outcomes(model.params, padded_ids, padded).items()})
+    return out
+
+
+def replay(outcomes: list[dict], min_certainty: float | None, costs: dict) -> dict:
+    """The decode loop's choice at each iteration, replayed along the replies (batch 1): the tokens after
+    each reply's first, their cost in plain steps, and how many iterations of each kind
+    (`drafted`, `branch`, `plain`). `min_certainty` None is the oracle."""
+    tokens, cost, kinds = 0, 0.0, collections.Counter()
+    for reply in outcomes:
+        n, end = 0, len(reply["certainty"])
+        while n < end:
+            if reply["branch"][n]:
+                kind, emitted = "branch", reply["branch_k"][n] + 1
+            else:
+                pays = reply["drafted"][n] + 1 > costs["drafted"] if min_certainty is None else reply["certainty"][n] >= min_certainty
+                kind, emitted = ("drafted", reply["drafted"][n] + 1) if pays else ("plain", 1)
+            emitted = min(int(emitted), end - n)  # the reply ends there
+            n, tokens, cost = n + emitted, tokens + emitted, cost + costs[kind]
+            kinds[kind] += 1
+    return {"tokens": tokens, "cost": cost, "kinds": {kind: kinds[kind] for kind in ("drafted", "branch", "plain")}}
+
+
+def predict_gates(model, args, plain_speed: float | None) -> dict:
+    """Each `min_certainty` of `args.gates` (and the oracle): predicted speedup and the share of each
+    kind of iteration; with `plain_speed` (the --sweep), also the measured speedup of decoding with it."""
+    config = model.config
+    plan = api.plan_for(config, DecodeOptions(min_certainty=0.0))
+    if not plan.tree or not plan.lookup:
+        raise SystemExit(f"--gates replays a drafter's tree with the context branch; this drafter's default tree is {plan.tree}")
+    print(f"replaying min_certainty {args.gates} on the model's own replies ...", file=sys.stderr)
+    outcomes = iteration_outcomes(model, greedy_replies(model, args.questions, args.max_new_tokens), plan)
+    step = verify_ms(model, 1)
+    costs = {"plain": 1.0, "drafted": (draft_ms(model, plan.skip, plan.gamma) + tree_verify_ms(model, plan.tree, plan.gamma)) / step,
+             "branch": tree_verify_ms(model, plan.nodes, plan.gamma) / step}
+    rows = []
+    for gate in [*args.gates, None]:
+        replayed = replay(outcomes, gate, costs)
+        iterations = max(sum(replayed["kinds"].values()), 1)
+        row = {"min_certainty": gate, "predicted_speedup": replayed["tokens"] / replayed["cost"],
+               **{f"{kind}_share": count / iterations for kind, count in replayed["kinds"].items()}}
+        if plain_speed and gate is not None:
+            print(f"decoding with min_certainty {gate} ...", file=sys.stderr)
+            speed, _ = measure(model, args.questions, DecodeOptions(chat=True, max_new_tokens=args.max_new_tokens, min_certainty=gate))
+            row["measured_speedup"] = speed / plain_speed
+        rows.append(row)
+    return {"skip": list(plan.skip), "gamma": plan.gamma, "tree": plan.tree, "costs": costs,
+            "positions": int(sum(len(o["certainty"]) for o in outcomes)), "rows": rows}
+
+
+def gate_table(gates: dict) -> str:
+    """Markdown: each min_certainty's predicted (and measured) speedup and kinds of iteration."""
+    measured = any("measured_speedup" in row for row in gates["rows"])
+    costs = gates["costs"]
+    head = ["min_certainty", "predicted speedup", "drafted", "branch alone", "plain steps"] + (["measured speedup"] if measured else [])
+    lines = [f"skip {gates['skip']}, gamma {gates['gamma']}, tree {gates['tree']}, {gates['positions']} positions; pass costs in "
+             f"plain steps: drafted tree {costs['drafted']:.2f}, branch alone {costs['branch']:.2f}", "",
+             "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in gates["rows"]:
+        cells = ["oracle" if row["min_certainty"] is None else f"{row['min_certainty']:g}", f"{row['predicted_speedup']:.2f}x",
+                 f"{row['drafted_share']:.0%}", f"{row['branch_share']:.0%}", f"{row['plain_share']:.0%}"]
+        if measured:
+            cells.append(f"{row['measured_speedup']:.2f}x" if "measured_speedup" in row else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m s3d_jax.predict", description=__doc__.splitlines()[0])
     p.add_argument("--drafters", nargs="*", default=[],
@@ -250,6 +366,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also measure the speedup of every drafter and gamma (and tree)")
     p.add_argument("--trees", type=int, nargs="*", default=[], metavar="N",
                    help="also predict token trees of these sizes for each drafter (at its own gamma), and recommend one")
+    p.add_argument("--gates", type=float, nargs="*", default=[], metavar="P",
+                   help="also replay these min_certainty values for each drafter's default tree (and an oracle)")
     p.add_argument("--out", default="results/predict")
     args = p.parse_args(argv)
 
@@ -257,6 +375,8 @@ def main(argv=None) -> int:
         p.error("give --drafters to measure, or --acceptance with measured values")
     if args.trees and (not args.drafters or min(args.trees) < 1):
         p.error("--trees needs --drafters (their draft passes are measured) and sizes >= 1")
+    if args.gates and (not args.drafters or not all(0.0 <= g <= 1.0 for g in args.gates)):
+        p.error("--gates needs --drafters (their replies are replayed) and probabilities in [0, 1]")
     files = [d for d in args.drafters if d.endswith(drafter_lib.SUFFIX)]
     base = api.load(args.model or (None if files or not args.drafters else args.drafters[0]), drafter=None)
     config = base.config
@@ -307,6 +427,9 @@ def main(argv=None) -> int:
     if args.trees:
         plain_speed = measure(base, args.questions, greedy.replace(method="ar"))[0] if args.sweep else None
         report["trees"] = [predict_trees(drafter, args, t, plain_speed) for drafter in drafters.values()]
+    if args.gates:
+        plain_speed = measure(base, args.questions, greedy.replace(method="ar"))[0] if args.sweep else None
+        report["gates"] = [predict_gates(drafter, args, plain_speed) for drafter in drafters.values()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "predict.json").write_text(json.dumps(report, indent=1))
@@ -319,6 +442,8 @@ def main(argv=None) -> int:
     for trees in report.get("trees", []):
         print(tree_table(trees))
         plot_trees(trees, out / f"predict_trees_skip{trees['skip'][0]}-{trees['skip'][1]}.png")
+    for gates in report.get("gates", []):
+        print(gate_table(gates))
     print(f"wrote {out}/predict.json and the plots")
     return 0
 

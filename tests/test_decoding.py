@@ -284,13 +284,14 @@ def test_decode_loop_keeps_few_row_dots_off_ynnpack(model):
     assert "ynn_fusion" not in loop.as_text()
 
 
-@pytest.mark.parametrize("method,tree,lookup", [("ar", 0, None), ("s3d", 0, None), ("s3d", 4, False), ("s3d", 4, True)])
-def test_decode_loop_updates_the_cache_in_place(model, method, tree, lookup):
+@pytest.mark.parametrize("method,tree,lookup,min_certainty", [("ar", 0, None, None), ("s3d", 0, None, None), ("s3d", 4, False, 0.0),
+                                                             ("s3d", 4, True, 0.0), ("s3d", 4, True, 0.5)])
+def test_decode_loop_updates_the_cache_in_place(model, method, tree, lookup, min_certainty):
     """No pass copies a layer's cache: each write is ordered after the attention that reads the old
-    cache (`cache.after`), and the tree's two iteration kinds only read it (`decoding.tree_iteration`),
+    cache (`cache.after`), and the tree's three iteration kinds only read it (`decoding.tree_iteration`),
     so XLA updates it in place."""
     _, run, _ = s3d_jax.api.prepare(model, random_prompts([5])[0], method=method, gamma=3, skip=(2, 3), tree=tree,
-                                    lookup=lookup, max_new_tokens=8, max_len=256)
+                                    lookup=lookup, min_certainty=min_certainty, max_new_tokens=8, max_len=256)
     run.compile()
     _, loop = run._executables
     config = model.config

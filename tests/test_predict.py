@@ -131,3 +131,52 @@ def test_draft_ranks_equal_a_draft_pass_from_each_prefix(draft_vocab):
         own = logits[0, jnp.arange(gamma), jnp.asarray(ids[n + 1: n + 1 + gamma])]
         want.append(np.asarray(jnp.sum(logits[0] > own[:, None], axis=1)))
     np.testing.assert_array_equal(got, np.array(want))
+
+
+# ---------------------------------------------------------------- drafting gates
+
+
+def test_replay_counts_each_kind_of_iteration_and_its_cost():
+    from s3d_jax.predict import replay
+
+    reply = {"certainty": np.array([0.95, 0.2, 0.5, 0.99, 0.1, 0.3]), "drafted": np.array([3, 0, 1, 0, 0, 2]),
+             "branch": np.array([False, False, False, False, True, False]), "branch_k": np.array([0, 0, 0, 0, 1, 0])}
+    costs = {"plain": 1.0, "drafted": 2.5, "branch": 2.0}
+    # 0.9: n=0 drafts (4 tokens), n=4 is the branch alone (2 tokens, the reply ends there).
+    assert replay([reply], 0.9, costs) == {"tokens": 6, "cost": 4.5, "kinds": {"drafted": 1, "branch": 1, "plain": 0}}
+    # 1.0: plain steps 0..3, then the branch.
+    assert replay([reply], 1.0, costs) == {"tokens": 6, "cost": 6.0, "kinds": {"drafted": 0, "branch": 1, "plain": 4}}
+    # 0.0: n=0 drafts 4, n=4 branch 2.
+    assert replay([reply], 0.0, costs)["kinds"] == {"drafted": 1, "branch": 1, "plain": 0}
+    # The oracle drafts only where the tree emits more than it costs (4 > 2.5 at n=0).
+    assert replay([reply], None, costs)["kinds"] == {"drafted": 1, "branch": 1, "plain": 0}
+    assert replay([{**reply, "drafted": np.array([1, 0, 1, 0, 0, 2])}], None, costs)["kinds"] == {"drafted": 0, "branch": 1, "plain": 4}
+
+
+def test_the_gate_replay_visits_what_decoding_does():
+    """Along the model's own greedy reply, the replayed choice of each min_certainty runs the very
+    iterations that decoding with it runs: as many drafted trees, branches alone and plain steps."""
+    from reference import tiny_model
+
+    import s3d_jax
+    from s3d_jax import api
+    from s3d_jax.predict import iteration_outcomes, replay
+
+    base = tiny_model(seed=1)
+    model = base.__class__(base.params, base.config.replace(draft_skip=(2, 3), draft_gamma=3, draft_tree=4))
+    prompt = [3, 14, 15, 92, 65, 35] * 2
+    reply = s3d_jax.decode(model, prompt, method="ar", max_new_tokens=24, eos_token_ids=()).tokens
+    outcomes = iteration_outcomes(model, [(prompt, reply)], api.plan_for(model.config, s3d_jax.DecodeOptions(min_certainty=0.0)))
+    certainties = np.sort(outcomes[0]["certainty"])
+    gap = int(np.argmax(np.diff(certainties[len(certainties) // 4: 3 * len(certainties) // 4]))) + len(certainties) // 4
+    middle = float(certainties[gap] + certainties[gap + 1]) / 2  # well away from any certainty
+    kinds_seen = set()
+    for gate in (0.0, middle, 1.0):
+        out = s3d_jax.decode(model, prompt, min_certainty=gate, max_new_tokens=24, eos_token_ids=())
+        assert out.tokens == reply
+        stats = out.stats
+        kinds = replay(outcomes, gate, {"plain": 1.0, "drafted": 2.0, "branch": 2.0})["kinds"]
+        assert kinds == {"drafted": sum(stats.iterations) - sum(stats.branch_only), "branch": sum(stats.branch_only),
+                         "plain": sum(stats.plain_steps)}, gate
+        kinds_seen |= {kind for kind, count in kinds.items() if count}
+    assert kinds_seen == {"drafted", "branch", "plain"}

@@ -108,7 +108,7 @@ def test_tree_decoding_equals_plain_greedy(model, size, gamma, skip):
     prompts = [np.random.default_rng(s).integers(0, 95, n).tolist() for s, n in ((0, 4), (1, 9), (2, 2))]
     for eos in ((), (7, 30)):
         plain = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=20, eos_token_ids=eos)
-        out = s3d_jax.decode(model, prompts, gamma=gamma, skip=skip, tree=size, max_new_tokens=20, eos_token_ids=eos)
+        out = s3d_jax.decode(model, prompts, gamma=gamma, skip=skip, tree=size, min_certainty=0.0, max_new_tokens=20, eos_token_ids=eos)
         assert out.tokens == plain.tokens, f"eos {eos}"
 
 
@@ -117,7 +117,7 @@ def test_tree_accepts_at_least_what_the_chain_does():
     model = tiny_model(seed=5)
     prompt = [1, 2, 3, 4, 5, 6]
     chain = s3d_jax.decode(model, prompt, gamma=3, skip=(3, 3), max_new_tokens=40, eos_token_ids=())
-    wide = s3d_jax.decode(model, prompt, gamma=3, skip=(3, 3), tree=24, max_new_tokens=40, eos_token_ids=())
+    wide = s3d_jax.decode(model, prompt, gamma=3, skip=(3, 3), tree=24, min_certainty=0.0, max_new_tokens=40, eos_token_ids=())
     assert wide.tokens == chain.tokens
     assert wide.stats.tokens_per_iteration >= chain.stats.tokens_per_iteration
 
@@ -284,7 +284,7 @@ def test_lookup_decoding_equals_plain_greedy_and_accepts_more_on_repeats(model, 
     """A prompt that repeats itself: the branch copies the repeat. The output stays plain greedy's."""
     prompts = [[3, 14, 15, 92, 65, 35] * 4, np.random.default_rng(1).integers(0, 95, 9).tolist(), [8, 8]]
     plain = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=24, eos_token_ids=())
-    options = dict(gamma=gamma, skip=(2, 3), tree=size, max_new_tokens=24, eos_token_ids=())
+    options = dict(gamma=gamma, skip=(2, 3), tree=size, min_certainty=0.0, max_new_tokens=24, eos_token_ids=())
     with_branch = s3d_jax.decode(model, prompts, lookup=True, **options)
     without = s3d_jax.decode(model, prompts, lookup=False, **options)
     assert with_branch.tokens == plain.tokens == without.tokens
@@ -308,7 +308,7 @@ def test_a_context_that_supplies_the_whole_branch_skips_the_draft(model):
     alone (no draft pass); the output is still plain greedy's."""
     prompt = [3, 14, 15, 92, 65, 35] * 5
     plain = s3d_jax.decode(model, prompt, method="ar", max_new_tokens=24, eos_token_ids=())
-    options = dict(gamma=3, skip=(2, 3), tree=4, max_new_tokens=24, eos_token_ids=())
+    options = dict(gamma=3, skip=(2, 3), tree=4, min_certainty=0.0, max_new_tokens=24, eos_token_ids=())
     with_branch = s3d_jax.decode(model, prompt, lookup=True, **options)
     without = s3d_jax.decode(model, prompt, lookup=False, **options)
     assert with_branch.tokens == plain.tokens == without.tokens
@@ -325,9 +325,85 @@ def test_the_branch_alone_accepts_more_than_gamma_from_a_long_copy(model):
     reply = s3d_jax.decode(model, seed, method="ar", max_new_tokens=40, eos_token_ids=()).tokens
     prompt = seed + reply + seed
     plain = s3d_jax.decode(model, prompt, method="ar", max_new_tokens=32, eos_token_ids=())
-    out = s3d_jax.decode(model, prompt, gamma=2, skip=(2, 3), tree=4, lookup=True, max_new_tokens=32, eos_token_ids=())
+    out = s3d_jax.decode(model, prompt, gamma=2, skip=(2, 3), tree=4, lookup=True, min_certainty=0.0, max_new_tokens=32, eos_token_ids=())
     assert out.tokens == plain.tokens
     histogram = np.sum(out.stats.accept_histogram, axis=0)
     assert len(histogram) == 4 + 2 + 1, "k = 0..N+γ"
     assert histogram[3:].sum() > 0, f"no iteration accepted more than γ = 2 drafts: {histogram.tolist()}"
     assert len(out.stats.acceptance_per_depth) == 6
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_the_verifier_certainty_is_its_top_probability_where_it_picked_x_n(model, lookup):
+    """After the prefill and after every iteration, drafted or not, the state's certainty is the full
+    model's top probability at the position that picked x_n (numpy reference)."""
+    prompt = [3, 14, 15, 92, 65, 35] * 2
+    _, run, _ = api.prepare(model, prompt, gamma=3, skip=(2, 3), tree=4, lookup=lookup, min_certainty=0.0, max_new_tokens=24,
+                            eos_token_ids=())
+    state = run.start()
+    while not bool(state.done[0]):  # a finished row's last token may be a draft cut off by max_new_tokens
+        n = int(state.cache.lengths[0])
+        logits = numpy_logits(model, np.asarray(state.tokens)[0, :n].tolist())[-1, : model.config.mask_token_id]
+        probs = np.exp(logits - logits.max())
+        np.testing.assert_allclose(float(state.certainty[0]), probs.max() / probs.sum(), rtol=1e-4)
+        state = run.advance(state, int(state.iteration) + 1)
+    assert int(state.iteration) > 2 and (int(state.branch_only[0]) > 0) == lookup
+
+
+@pytest.mark.parametrize("certainty,plain_step", [(0.3, True), (0.7, False)])
+def test_an_iteration_drafts_only_where_the_text_is_predictable(model, certainty, plain_step):
+    """Below `min_certainty` the iteration is one plain step (one token, counted apart from the accept
+    histogram); at or above it the draft pass runs and the tree is verified."""
+    _, run, _ = api.prepare(model, [5, 6, 7, 8], gamma=3, skip=(2, 3), tree=4, lookup=False, min_certainty=0.5, max_new_tokens=16,
+                            eos_token_ids=())
+    state = run.start()
+    state = state.replace(certainty=jnp.full_like(state.certainty, certainty))
+    after = jax.jit(decoding.iterate, static_argnums=(1, 2))(run.params, run.config, run.plan, state)
+    assert int(after.plain_steps[0]) == plain_step
+    assert int(after.accept_histogram.sum()) == (not plain_step)
+    if plain_step:
+        assert int(after.num_generated[0]) == 2, "a plain step emits one token"
+
+
+def test_plain_steps_keep_decoding_exact_and_are_reported(model):
+    """Never drafting (min_certainty 1) is plain decoding through the tree's loop; a threshold between
+    the certainties mixes the two kinds. Every output stays plain greedy's."""
+    prompts = [np.random.default_rng(s).integers(0, 95, n).tolist() for s, n in ((0, 4), (1, 9))]
+    plain = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=20, eos_token_ids=())
+    options = dict(gamma=3, skip=(2, 3), tree=4, lookup=False, max_new_tokens=20, eos_token_ids=())
+    always = s3d_jax.decode(model, prompts, min_certainty=0.0, **options)
+    never = s3d_jax.decode(model, prompts, min_certainty=1.0, **options)
+    assert always.tokens == never.tokens == plain.tokens
+    assert sum(always.stats.plain_steps) == 0
+    assert never.stats.plain_steps == [19, 19] and sum(never.stats.iterations) == 0, "the prefill picks the first token"
+    assert "plain steps" in never.stats.summary()
+    _, run, _ = api.prepare(model, prompts, min_certainty=0.0, **options)
+    certainties = []
+    state = run.start()
+    while not bool(np.all(state.done)):
+        certainties += np.asarray(state.certainty)[~np.asarray(state.done)].tolist()
+        state = run.advance(state, int(state.iteration) + 1)
+    middle = float(np.median(certainties))
+    mixed = s3d_jax.decode(model, prompts, min_certainty=middle, **options)
+    assert mixed.tokens == plain.tokens
+    assert 0 < sum(mixed.stats.plain_steps) and 0 < sum(mixed.stats.iterations)
+
+
+def test_the_default_min_certainty_is_for_greedy_trees(model):
+    plan = lambda **options: api.plan_for(model.config, s3d_jax.DecodeOptions(**options))  # noqa: E731
+    assert plan(tree=4).min_certainty == s3d_jax.options.DEFAULT_MIN_CERTAINTY
+    assert plan(tree=4, temperature=0.7).min_certainty == 0.0, "sampling drafts at every iteration unless asked"
+    assert plan(tree=4, min_certainty=0.25).min_certainty == 0.25
+    assert plan(tree=0).min_certainty == 0.0
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(min_certainty=1.5, tree=4), r"must be in \[0, 1\]"),
+    (dict(min_certainty=float("nan"), tree=4), "must be finite"),
+    (dict(min_certainty="high", tree=4), "must be a number"),
+    (dict(min_certainty=0.5, tree=0), "give tree=N"),
+    (dict(min_certainty=0.5, method="ar"), "needs method 's3d'"),
+])
+def test_bad_min_certainty_requests(model, options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        s3d_jax.decode(model, [1, 2, 3], max_new_tokens=4, gamma=3, skip=(2, 3), **options)

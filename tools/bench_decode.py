@@ -84,7 +84,8 @@ def run_jax(request: dict) -> dict:
 
     rows, outputs = {}, {}
     for method in tqdm(METHODS, desc="methods", disable=args.quiet):
-        decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method=method))
+        options = decode.replace(method=method, min_certainty=decode.min_certainty if method == "s3d" else None)
+        decoded = decode_prompts(model, chat_prompts(args.prompts), options)
         outputs[method] = [r["tokens"] for r in decoded.records]
         rows[method] = {
             "tokens": decoded.tokens,
@@ -137,7 +138,8 @@ def tree_points(model, args, size: int, skip, decode: DecodeOptions, step_ms: fl
 def tree_point(model, args, size: int, lookup: bool, skip, decode: DecodeOptions, step_ms: float, plain: dict, plain_outputs: list) -> dict:
     timed = dict(context=args.context, repeats=args.repeats)
     verify = timing.tree_verify_ms(model, size, args.gamma, **timed) if size else timing.verify_ms(model, args.gamma + 1, **timed)
-    decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method="s3d", tree=size, lookup=lookup))
+    decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method="s3d", tree=size, lookup=lookup,
+                                                                                      min_certainty=decode.min_certainty if size else None))
     e = tokens_per_iteration(decoded.histogram)
     return {"tree": size, "lookup": lookup, "verify_ms": verify, "verify_vs_step": verify / step_ms, "tokens_per_iteration": e,
             "tokens_per_s": decoded.tokens_per_second, "vs_plain": decoded.tokens_per_second / plain["tokens_per_s"],

@@ -65,15 +65,16 @@ def parse_args(argv=None):
 
 
 def method_request(method: str, load: dict, prompts: dict, decode: DecodeOptions, tree: int | None = None,
-                   lookup: bool | None = None) -> dict:
+                   lookup: bool | None = None, min_certainty: float | None = None) -> dict:
     """What a method's process (s3d_jax.bench.methods) runs: s3d_sample samples, the others are greedy;
-    greedy s3d verifies a tree of `tree` nodes (and the context branch per `lookup`) when one is given."""
+    greedy s3d verifies a tree of `tree` nodes (the context branch per `lookup`, drafting per
+    `min_certainty`) when one is given."""
     if method == "s3d_sample":
         decode = decode.replace(method="s3d")  # the chain: the drafter's default tree is for greedy s3d
     else:
         s3d = method == "s3d"
         decode = decode.replace(method=method, temperature=0.0, top_k=0, top_p=1.0, tree=tree if s3d else None,
-                                lookup=lookup if s3d else None)
+                                lookup=lookup if s3d else None, min_certainty=min_certainty if s3d else None)
     return {"load": load, "prompts": prompts, "options": dataclasses.asdict(decode)}
 
 
@@ -106,8 +107,8 @@ def main(argv=None) -> int:
         raise BenchError("this model has no mask token row, which S3D needs; convert it with tools/convert_hf.py")
     if any(p in LLAMA_CPP_PEERS for p in args.peer_list):
         llama_cpp_peer.require()
-    decode = DecodeOptions.from_args(args, tree=None, lookup=None)  # the tree goes to greedy s3d alone
-    DecodeOptions(tree=args.tree, lookup=args.lookup)  # checked here, not in a child process
+    decode = DecodeOptions.from_args(args, tree=None, lookup=None, min_certainty=None)  # the tree goes to greedy s3d alone
+    DecodeOptions(tree=args.tree, lookup=args.lookup, min_certainty=args.min_certainty)  # checked here, not in a child process
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         hf_model = args.hf_model
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
             if engine in PEERS:
                 results[engine] = run_peer(engine, hf_model, model_dir, prompts, args)
             else:
-                request = method_request(engine, load_arguments(args), prompts, decode, args.tree, args.lookup)
+                request = method_request(engine, load_arguments(args), prompts, decode, args.tree, args.lookup, args.min_certainty)
                 results[engine] = harness.run_engine(["-m", "s3d_jax.bench.methods"], request)
     rows = []
     for suite in args.suites:

@@ -28,6 +28,8 @@ def summarize_engine(engine: str, suite: str, result: dict, prompts: dict, base:
         hist = np.sum([r["histogram"] for r in records], axis=0)
         row["acceptance_per_depth"] = acceptance_per_depth(hist)
         row["tokens_per_iteration"] = tokens_per_iteration(hist)
+        plain_steps = sum(r.get("plain_steps", 0) for r in records)
+        row["plain_step_share"] = plain_steps / max(plain_steps + hist.sum(), 1)  # of every pass that emitted tokens
     else:
         row["acceptance_per_depth"], row["tokens_per_iteration"] = [], float("nan")
     if base is not None:
@@ -46,14 +48,15 @@ def summarize_engine(engine: str, suite: str, result: dict, prompts: dict, base:
 
 
 def render_table(rows: list[dict]) -> str:
-    columns = ["suite", "engine", "tokens/s", "speedup", "E", "acceptance per depth", "peak MiB", "M-SR", "quality", "differs from plain",
-               "compile s"]
+    columns = ["suite", "engine", "tokens/s", "speedup", "E", "plain steps", "acceptance per depth", "peak MiB", "M-SR", "quality",
+               "differs from plain", "compile s"]
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for r in rows:
         depth = " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"]) or "-"
         quality = "; ".join(f"{k} {r[k]:.3f}" for k in ("pass@1", "rouge1", "rougeL") if k in r) or "-"
         e = f"{r['tokens_per_iteration']:.2f}" if r["tokens_per_iteration"] == r["tokens_per_iteration"] else "-"
-        lines.append(f"| {r['suite']} | {r['engine']} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f}x | {e} | {depth} | "
+        plain = f"{r['plain_step_share']:.0%}" if "plain_step_share" in r else "-"
+        lines.append(f"| {r['suite']} | {r['engine']} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f}x | {e} | {plain} | {depth} | "
                      f"{r['peak_memory_mib']:.0f} | {r.get('msr', 1.0):.2f} | {quality} | {r.get('differs_from_plain', '-')} | "
                      f"{'-' if r['compile_s'] is None else format(r['compile_s'], '.1f')} |")
     return "\n".join(lines)
