@@ -21,8 +21,9 @@ holds. Its E is 1 + (the positions each of its paths covers) / positions, so the
 is the N most frequent rank prefixes. They are chosen on half the replies and counted on the other
 half (and the reverse), so the estimate is not fitted to the replies it is scored on. decode's own
 trees are built from each pass's probabilities, not from fixed ranks, so they can do better.
-The predictor models the draft's own trees: its measured decoding runs without the context branch
-(`lookup=False`), whose acceptance depends on the text, not on the drafter.
+The predictor models the draft's own trees: its measured decoding drafts at every iteration, without
+the context branch (`lookup=False`), whose acceptance depends on the text, not on the drafter, and
+without plain steps (`min_certainty=0`).
   tree speedup = E(N) · t(1) / (t_draft + t_tree(N) + ε · t(1)), the draft pass and t_tree(N) (tree build and
   verify) measured; with --assume-constant t_draft = r · t(1) and t_tree(N) = t(1)
 
@@ -237,9 +238,9 @@ def predict_trees(model, args, pass_ms, plain_speed: float | None) -> dict:
                "predicted_speedup": e * pass_ms(1) / (draft + verify + args.epsilon * pass_ms(1))}
         if plain_speed:
             print(f"decoding with tree {size} ...", file=sys.stderr)
-            # The draft's own tree, as predicted: the context branch (tree.graft) is not part of the model.
+            # The draft's own tree, as predicted, at every iteration: neither the context branch nor plain steps are part of the model.
             speed, hist = measure(model, args.questions, DecodeOptions(chat=True, max_new_tokens=args.max_new_tokens, gamma=gamma,
-                                                                       tree=size, lookup=False))
+                                                                       tree=size, lookup=False, min_certainty=0.0 if size else None))
             row.update(measured_e=tokens_per_iteration(hist), measured_speedup=speed / plain_speed)
         rows.append(row)
     best = max(rows, key=lambda row: row["predicted_speedup"])
