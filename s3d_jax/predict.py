@@ -172,15 +172,18 @@ def draft_ranks(model, replies, gamma: int) -> list[np.ndarray]:
 
     out = []
     for prompt, reply in replies:
-        ids = prompt + reply
-        positions = np.arange(len(prompt), len(ids) - gamma)
-        if not len(positions):
-            continue
-        padded_ids = np.zeros(api.bucket(len(ids)), np.int32)
-        padded_ids[: len(ids)] = ids
-        padded = np.resize(positions, api.bucket(len(positions)))  # repeats positions: one compile per bucket
-        out.append(np.asarray(ranks(model.params, padded_ids, padded))[: len(positions)])
+        positions = np.arange(len(prompt), len(prompt) + len(reply) - gamma)
+        if len(positions):
+            out.append(np.asarray(ranks(model.params, *bucketed(prompt + reply, positions)))[: len(positions)])
     return out
+
+
+def bucketed(ids: list[int], positions: np.ndarray, room: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """`ids` zero-padded to a bucket with at least `room` slots past the end, and `positions` repeated
+    to a bucket: a jitted pass over them compiles once per pair of buckets."""
+    padded_ids = np.zeros(api.bucket(len(ids) + room), np.int32)
+    padded_ids[: len(ids)] = ids
+    return padded_ids, np.resize(positions, api.bucket(len(positions)))
 
 
 def rank_prefixes(ranks: np.ndarray) -> collections.Counter:
@@ -280,12 +283,9 @@ def iteration_outcomes(model, replies, plan: Plan) -> list[dict]:
 
     out = []
     for prompt, reply in replies:
-        ids = prompt + reply
-        positions = np.arange(len(prompt), len(ids) - 1)
-        padded_ids = np.zeros(api.bucket(len(ids) + plan.reach), np.int32)  # room past the end for the tree's slots
-        padded_ids[: len(ids)] = ids
-        padded = np.resize(positions, api.bucket(len(positions)))  # repeats positions: one compile per bucket
-        out.append({k: np.asarray(v)[: len(positions)] for k, v in outcomes(model.params, padded_ids, padded).items()})
+        positions = np.arange(len(prompt), len(prompt) + len(reply) - 1)
+        padded = outcomes(model.params, *bucketed(prompt + reply, positions, room=plan.reach))  # room for the tree's slots
+        out.append({k: np.asarray(v)[: len(positions)] for k, v in padded.items()})
     return out
 
 
@@ -425,11 +425,10 @@ def main(argv=None) -> int:
                                  "tokens_per_iteration": tokens_per_iteration(hist), "predicted_speedup": predicted(skip, gamma)})
         report["measured"] = measured
         report["best_measured"] = max(measured, key=lambda q: q["measured_speedup"])
+    plain_speed = measure(base, args.questions, greedy.replace(method="ar"))[0] if args.sweep and (args.trees or args.gates) else None
     if args.trees:
-        plain_speed = measure(base, args.questions, greedy.replace(method="ar"))[0] if args.sweep else None
         report["trees"] = [predict_trees(drafter, args, t, plain_speed) for drafter in drafters.values()]
     if args.gates:
-        plain_speed = measure(base, args.questions, greedy.replace(method="ar"))[0] if args.sweep else None
         report["gates"] = [predict_gates(drafter, args, plain_speed) for drafter in drafters.values()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
