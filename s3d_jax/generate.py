@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         print()
         print(f"[{chunk.stats.summary()}]", file=sys.stderr)
         if args.compare and decode_options.method != "ar":
-            plain = decode(model, args.prompt, decode_options.replace(method="ar"))
+            plain = decode(model, args.prompt, decode_options.plain())
             print(f"[{plain.stats.summary()}]", file=sys.stderr)
             ratio = chunk.stats.tokens_per_second / plain.stats.tokens_per_second
             same = "identical to" if chunk.tokens == plain.tokens else "DIFFERENT from"

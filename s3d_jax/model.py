@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from s3d_jax import few_rows
 from s3d_jax.config import ModelConfig, RopeScaling
 
 NEG_INF = jnp.finfo(jnp.float32).min
@@ -60,7 +61,7 @@ def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool, bi
     c = module.config
     w = module.param(name, init_normal, (*in_shape, *out_shape), c.jnp_dtype)
     n_in = len(in_shape)
-    y = jnp.tensordot(x, w, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), precision=c.precision)
+    y = few_rows.matmul(x, w, n_in, c.precision)
     if bias:
         y = y + module.param(f"{name}_bias", nn.initializers.zeros, tuple(out_shape), c.jnp_dtype)
     if c.draft_lora_rank:
@@ -266,7 +267,7 @@ class Transformer(nn.Module):
 
     def logits(self, hidden_BTD):
         """Float32 logits over the whole embedding table (the mask row included)."""
-        return jnp.einsum("btd,dv->btv", hidden_BTD, self.head(), preferred_element_type=jnp.float32, precision=self.config.precision)
+        return few_rows.matmul(hidden_BTD, self.head(), precision=self.config.precision, preferred_element_type=jnp.float32)
 
     def context_logits(self, hidden_BTD, ids_BL):
         """Float32 logits of each row at its own token ids `ids_BL`, `[B, T, L]` (head columns gathered)."""
@@ -275,8 +276,8 @@ class Transformer(nn.Module):
 
     def reduced_logits(self, hidden_BTD):
         """Float32 logits over the draft vocabulary only, `[B, T, draft_vocab_size]`."""
-        return jnp.einsum("btd,dn->btn", hidden_BTD, self.draft_head, preferred_element_type=jnp.float32,
-                          precision=self.config.precision)
+        return few_rows.matmul(hidden_BTD, self.draft_head, precision=self.config.precision,
+                               preferred_element_type=jnp.float32)
 
     def full(self, tokens_BT, positions_BT, mask_BTT):
         """All layers over `tokens` with nothing before them (prompt pass, training target, `logits`)."""

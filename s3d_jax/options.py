@@ -89,6 +89,10 @@ class DecodeOptions:
     def replace(self, **changes) -> DecodeOptions:
         return dataclasses.replace(self, **changes)
 
+    def plain(self) -> DecodeOptions:
+        """The same decoding by plain steps (method ar, S3D's own choices dropped): a comparison's baseline."""
+        return self.replace(method="ar", tree=None, lookup=None, min_certainty=None)
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, **changes) -> DecodeOptions:
         """Options from the flags that `add_arguments` defined."""

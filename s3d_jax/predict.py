@@ -416,7 +416,7 @@ def main(argv=None) -> int:
         measured = []
         for skip, drafter in drafters.items():
             print(f"measuring the speedup of skip {list(skip)} for gamma 1..{args.max_gamma} ...", file=sys.stderr)
-            plain, _ = measure(drafter, args.questions, greedy.replace(method="ar"))
+            plain, _ = measure(drafter, args.questions, greedy.plain())
             r = draft_ratio(config, skip)
             for gamma in gammas:
                 options = greedy.replace(gamma=gamma)
@@ -425,7 +425,7 @@ def main(argv=None) -> int:
                                  "tokens_per_iteration": tokens_per_iteration(hist), "predicted_speedup": predicted(skip, gamma)})
         report["measured"] = measured
         report["best_measured"] = max(measured, key=lambda q: q["measured_speedup"])
-    plain_speed = measure(base, args.questions, greedy.replace(method="ar"))[0] if args.sweep and (args.trees or args.gates) else None
+    plain_speed = measure(base, args.questions, greedy.plain())[0] if args.sweep and (args.trees or args.gates) else None
     if args.trees:
         report["trees"] = [predict_trees(drafter, args, t, plain_speed) for drafter in drafters.values()]
     if args.gates:

@@ -164,6 +164,11 @@ def test_good_prompts_still_reach_the_model(model, prompt, overrides, rows):
     assert [row[:n].tolist() for row, n in zip(run.prompts, run.prompt_lengths)] == rows
 
 
+def test_plain_options_drop_what_only_s3d_accepts():
+    options = s3d_jax.DecodeOptions(tree=4, lookup=True, min_certainty=0.9, max_new_tokens=7, chat=True)
+    assert options.plain() == s3d_jax.DecodeOptions(method="ar", max_new_tokens=7, chat=True)
+
+
 def test_options_accept_numpy_ints_and_normalise_them():
     options = s3d_jax.DecodeOptions(gamma=np.int32(2), max_new_tokens=np.int64(3), skip=[np.int64(1), 2], seed=np.uint8(7),
                                     temperature=1, eos_token_ids=[np.int32(4)])

@@ -90,8 +90,10 @@ def test_load_applies_the_shipped_drafter_by_default():
 
 
 def test_demo_command_reports_the_ratio_and_exactness():
+    # S3D-only flags given explicitly: the plain run of --compare must drop them, not refuse them.
     result = subprocess.run(
-        [sys.executable, "-m", "s3d_jax.generate", "--chat", "--compare", "--max-new-tokens", "32", "--prompt", CHATS[2]],
+        [sys.executable, "-m", "s3d_jax.generate", "--chat", "--compare", "--max-new-tokens", "32", "--tree", "4",
+         "--min-certainty", "0.9", "--prompt", CHATS[2]],
         capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stderr

@@ -1,0 +1,178 @@
+// y = x @ w for a few rows of x (a decode pass: 1 to 16 tokens) against a large row-major float32
+// weight, as an XLA FFI handler for the CPU (s3d_jax/few_rows.py builds and registers it).
+//
+// XLA's CPU dot streams the weight once for one row, but for 2-16 rows it packs the weight into
+// panels first, so a pass over 5 tokens costs about 2x a one-token step. Here the weight is read
+// once, 8 rows of it at a time, for all of x's rows together; x's row t is accumulated in y's row t,
+// which stays in the L1 cache. Each output element is summed over k in the same order whatever the
+// number of rows or threads, so a token's logits do not depend on how many tokens share its pass.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#ifdef __linux__
+#include <sched.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float Lanes __attribute__((vector_size(64), aligned(4), may_alias));  // 16 floats, unaligned loads
+
+constexpr int64_t kWeightRows = 8;    // weight rows read together
+constexpr int64_t kMaxRows = 8;       // rows of x per sweep over the weight
+constexpr int64_t kColumnAlign = 16;  // a thread's columns start on a whole vector
+
+// y[t, n0:n1] += sum over k in [k0, k0+KB) of x[t, k] * w[k, n0:n1], for T rows.
+template <int T, int KB>
+inline void Accumulate(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t k0, int64_t n0,
+                       int64_t n1) {
+  float xs[T][KB];
+  for (int t = 0; t < T; ++t)
+    for (int kk = 0; kk < KB; ++kk) xs[t][kk] = x[t * K + k0 + kk];
+  int64_t n = n0;
+  for (; n + 16 <= n1; n += 16) {
+    Lanes acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = *reinterpret_cast<const Lanes*>(y + t * N + n);
+    for (int kk = 0; kk < KB; ++kk) {
+      const Lanes wv = *reinterpret_cast<const Lanes*>(w + (k0 + kk) * N + n);
+      for (int t = 0; t < T; ++t) acc[t] += xs[t][kk] * wv;
+    }
+    for (int t = 0; t < T; ++t) *reinterpret_cast<Lanes*>(y + t * N + n) = acc[t];
+  }
+  for (; n < n1; ++n)
+    for (int t = 0; t < T; ++t) {
+      float s = y[t * N + n];
+      for (int kk = 0; kk < KB; ++kk) s += xs[t][kk] * w[(k0 + kk) * N + n];
+      y[t * N + n] = s;
+    }
+}
+
+template <int T>
+void Columns(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int t = 0; t < T; ++t) std::memset(y + t * N + n0, 0, sizeof(float) * (n1 - n0));
+  int64_t k = 0;
+  for (; k + kWeightRows <= K; k += kWeightRows) Accumulate<T, kWeightRows>(x, w, y, K, N, k, n0, n1);
+  for (; k < K; ++k) Accumulate<T, 1>(x, w, y, K, N, k, n0, n1);
+}
+
+using ColumnsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+constexpr ColumnsFn kColumns[kMaxRows + 1] = {nullptr,    Columns<1>, Columns<2>, Columns<3>, Columns<4>,
+                                              Columns<5>, Columns<6>, Columns<7>, Columns<8>};
+
+// The columns split into parts that the calling thread and the helper threads claim one at a time.
+// A caller never waits for a part nobody has claimed, so concurrent calls cannot starve each other.
+struct Job {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t M, K, N, part_columns, parts;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void RunParts() {
+    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
+      const int64_t n0 = p * part_columns, n1 = std::min(N, n0 + part_columns);
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        const int64_t rows = std::min(kMaxRows, M - m);
+        kColumns[rows](x + m * K, w, y + m * N, K, N, n0, n1);
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+int64_t UsableCpus() {
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// Helper threads that spin briefly between jobs: a decode pass calls the kernel hundreds of times,
+// a few microseconds apart, and waking a sleeping thread for each call would cost more than its
+// share of the work. After kSpin without a job a helper sleeps until the next one.
+class Helpers {
+ public:
+  static Helpers& Get() {
+    static Helpers* helpers = new Helpers();  // never destroyed: its threads live as long as the process
+    return *helpers;
+  }
+  int64_t size() const { return size_; }
+
+  void Post(std::shared_ptr<Job> job) {
+    std::atomic_store_explicit(&job_, std::move(job), std::memory_order_release);
+    posted_.fetch_add(1, std::memory_order_release);
+    posted_.notify_all();
+  }
+
+ private:
+  static constexpr auto kSpin = std::chrono::microseconds(200);
+
+  // One thread per CPU this process may run on, up to 8 in all: more would not add bandwidth.
+  Helpers() : size_(std::min<int64_t>(8, UsableCpus()) - 1) {
+    for (int64_t i = 0; i < size_; ++i) std::thread([this] { Loop(); }).detach();
+  }
+
+  void Loop() {
+    uint64_t seen = posted_.load(std::memory_order_acquire);
+    for (;;) {
+      const auto start = std::chrono::steady_clock::now();
+      uint64_t now;
+      while ((now = posted_.load(std::memory_order_acquire)) == seen) {
+        if (std::chrono::steady_clock::now() - start < kSpin) {
+#if defined(__x86_64__) || defined(__i386__)
+          __builtin_ia32_pause();
+#endif
+        } else {
+          posted_.wait(seen, std::memory_order_acquire);
+        }
+      }
+      seen = now;
+      if (auto job = std::atomic_load_explicit(&job_, std::memory_order_acquire)) job->RunParts();
+    }
+  }
+
+  const int64_t size_;
+  std::atomic<uint64_t> posted_{0};
+  std::shared_ptr<Job> job_;
+};
+
+ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("few_row_matmul: expected x [M, K] and w [K, N]");
+  }
+  auto job = std::make_shared<Job>();
+  job->x = x.typed_data();
+  job->w = w.typed_data();
+  job->y = y->typed_data();
+  job->M = xd[0];
+  job->K = xd[1];
+  job->N = wd[1];
+  Helpers& helpers = Helpers::Get();
+  // One part per thread, each streaming long contiguous runs of the weight's rows.
+  const int64_t threads = helpers.size() + 1;
+  job->part_columns = std::max<int64_t>(256, ((job->N + threads - 1) / threads + kColumnAlign - 1) / kColumnAlign * kColumnAlign);
+  job->parts = (job->N + job->part_columns - 1) / job->part_columns;
+  if (job->parts > 1) helpers.Post(job);
+  job->RunParts();
+  while (job->done.load(std::memory_order_acquire) < job->parts) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmul, FewRowMatmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,95 @@
+"""The few-row CPU kernel (`s3d_jax/few_rows.cc`) against numpy, and where `few_rows.matmul` uses it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from s3d_jax import few_rows
+
+SHAPES = [(1, 576, 1536), (5, 576, 1536), (16, 1536, 576), (7, 576, 49280), (3, 37, 53), (2, 9, 8), (9, 64, 300)]
+
+
+def random(shape, seed):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
+
+
+def test_the_kernel_is_built_on_this_cpu():
+    # Decoding falls back to XLA's dot without a C++ compiler; here (and in CI) there is one, so a
+    # silent fallback would be a regression.
+    assert few_rows.available()
+    assert few_rows.applies(5, jnp.float32, jnp.float32)
+    x, w = random((5, 16), 0), random((16, 32), 1)
+    assert few_rows.TARGET in jax.jit(few_rows.matmul).lower(x, w).as_text()
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_kernel_equals_the_float64_product(rows, k, n):
+    x, w = random((rows, k), 0), random((k, n), 1)
+    y = np.asarray(jax.jit(few_rows.matmul)(x, w))
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert y.shape == (rows, n) and y.dtype == np.float32
+    np.testing.assert_allclose(y, exact, rtol=0, atol=2e-6 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, k, n):
+    """Bit for bit: a token's logits in a verify pass equal its logits in a one-token step."""
+    x, w = random((rows, k), 2), random((k, n), 3)
+    together = np.asarray(jax.jit(few_rows.matmul)(x, w))
+    for t in range(rows):
+        alone = np.asarray(jax.jit(few_rows.matmul)(x[t : t + 1], w))
+        assert np.array_equal(together[t], alone[0]), t
+
+
+def test_trailing_input_axes_and_leading_batch_axes():
+    """Like `jnp.tensordot`: a `[B, T, H, E]` input against an `[H, E, D]` weight (the attention output)."""
+    x, w = random((2, 3, 4, 8), 4), random((4, 8, 48), 5)
+    expected = jnp.tensordot(x, w, axes=((2, 3), (0, 1)))
+    np.testing.assert_allclose(few_rows.matmul(x, w, n_in=2), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_equal_xlas():
+    x, w = random((4, 32), 6), random((32, 24), 7)
+
+    def loss(matmul):
+        return lambda x, w: jnp.sum(jnp.sin(matmul(x, w)))
+
+    got = jax.grad(loss(few_rows.matmul), argnums=(0, 1))(x, w)
+    expected = jax.grad(loss(jnp.matmul), argnums=(0, 1))(x, w)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "rows,x_dtype,w_dtype",
+    [(few_rows.MAX_ROWS + 1, jnp.float32, jnp.float32), (0, jnp.float32, jnp.float32), (4, jnp.bfloat16, jnp.bfloat16),
+     (4, jnp.float32, jnp.bfloat16)],
+)
+def test_other_products_stay_on_xlas_dot(rows, x_dtype, w_dtype):
+    assert not few_rows.applies(rows, x_dtype, w_dtype)
+    x, w = random((rows, 16), 8).astype(x_dtype), random((16, 32), 9).astype(w_dtype)
+    assert "custom_call" not in jax.jit(few_rows.matmul).lower(x, w).as_text()
+    np.testing.assert_array_equal(few_rows.matmul(x, w), jnp.tensordot(x, w, axes=1))
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv(few_rows.ENV_SWITCH, "0")
+    assert not few_rows.applies(1, jnp.float32, jnp.float32)
+    x, w = random((1, 16), 8), random((16, 32), 9)
+    assert "custom_call" not in jax.jit(few_rows.matmul).lower(x, w).as_text()
+    monkeypatch.undo()
+    assert few_rows.applies(1, jnp.float32, jnp.float32)
+
+
+def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("S3D_JAX_CACHE", str(tmp_path))  # nothing built there yet
+    few_rows._registered.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="few-row CPU kernel unavailable"):
+            assert not few_rows.available()
+    finally:
+        monkeypatch.undo()
+        few_rows._registered.cache_clear()
+    assert few_rows.available()  # the same library again: registering it twice is harmless
