@@ -7,7 +7,7 @@ import pytest
 from reference import numpy_logits, tiny_model
 
 import s3d_jax
-from s3d_jax import decoding
+from s3d_jax import api, decoding, few_rows
 from s3d_jax.cache import KVCache, cached_forward
 from s3d_jax.model import lm_logits
 from s3d_jax.speculative import Plan, draft_s3d
@@ -282,6 +282,20 @@ def test_decode_loop_keeps_few_row_dots_off_ynnpack(model):
     default = decoding._advance_jit.lower(run.params, state, stop, config=run.config, plan=run.plan).compile()
     assert "ynn_fusion" in default.as_text()  # what the option changes: the default does use YNNPACK
     assert "ynn_fusion" not in loop.as_text()
+
+
+def test_decode_loop_runs_its_projections_in_the_few_row_kernel(model):
+    """The loop's passes (1 to γ+1 rows) use `few_rows.cc`, and so does the prompt pass's one-row head;
+    a product of more than `few_rows.MAX_ROWS` rows keeps XLA's dot."""
+    if not few_rows.available():
+        pytest.skip("no few-row kernel here (not built, or switched off)")
+    _, run, _ = api.prepare(model, random_prompts([20])[0], method="s3d", gamma=3, skip=(2, 3), max_new_tokens=8)
+    run.compile()
+    prefill, loop = run._executables
+    assert few_rows.TARGET in loop.as_text()
+    assert few_rows.TARGET in prefill.as_text()  # the first token's logits: one row
+    off = jax.jit(lambda p, t: lm_logits(p, model.config, t)).lower(run.params, jnp.zeros((1, 32, model.config.hidden_size)))
+    assert few_rows.TARGET not in off.as_text()  # 32 rows: XLA's dot
 
 
 @pytest.mark.parametrize("method,tree,lookup,min_certainty", [("ar", 0, None, None), ("s3d", 0, None, None), ("s3d", 4, False, 0.0),
