@@ -10,8 +10,10 @@ import pytest
 
 from s3d_jax import few_rows
 
-needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
-                                    reason="no C++ compiler: products stay on XLA's dot")
+needs_kernel = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None or os.environ.get(few_rows.ENV_SWITCH) == "0",
+    reason="no C++ compiler, or the kernel switched off: products stay on XLA's dot",
+)
 SHAPES = [(1, 576, 1536), (5, 576, 1536), (16, 1536, 576), (7, 576, 49280), (3, 37, 53), (2, 9, 8), (9, 64, 300)]
 
 
@@ -19,9 +21,9 @@ def random(shape, seed):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
 
 
-@needs_compiler
+@needs_kernel
 def test_the_kernel_is_built_on_this_cpu():
-    # With a compiler, a fallback to XLA's dot would be a silent regression.
+    # With a compiler and the switch on, a fallback to XLA's dot would be a silent regression.
     assert few_rows.available()
     assert few_rows.applies(5, jnp.float32, jnp.float32)
     x, w = random((5, 16), 0), random((16, 32), 1)
@@ -37,7 +39,7 @@ def test_kernel_equals_the_float64_product(rows, k, n):
     np.testing.assert_allclose(y, exact, rtol=0, atol=2e-6 * np.abs(exact).max())
 
 
-@needs_compiler
+@needs_kernel
 @pytest.mark.parametrize("rows,k,n", SHAPES)
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, k, n):
     """Bit for bit: a token's logits in a verify pass equal its logits in a one-token step."""
@@ -79,7 +81,7 @@ def test_other_products_stay_on_xlas_dot(rows, x_dtype, w_dtype):
     np.testing.assert_array_equal(few_rows.matmul(x, w), jnp.tensordot(x, w, axes=1))
 
 
-@needs_compiler
+@needs_kernel
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv(few_rows.ENV_SWITCH, "0")
     assert not few_rows.applies(1, jnp.float32, jnp.float32)
@@ -89,7 +91,7 @@ def test_the_switch_turns_it_off(monkeypatch):
     assert few_rows.applies(1, jnp.float32, jnp.float32)
 
 
-@needs_compiler
+@needs_kernel
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("S3D_JAX_CACHE", str(tmp_path))  # nothing built there yet
