@@ -104,7 +104,6 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
     in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
     lead = x.shape[: x.ndim - n_in]
     if not applies(math.prod(lead), x.dtype, w.dtype):
-        return jnp.tensordot(x, w, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), precision=precision,
-                             preferred_element_type=preferred_element_type)
+        return jnp.tensordot(x, w, axes=n_in, precision=precision, preferred_element_type=preferred_element_type)
     y = _kernel(x.reshape(math.prod(lead), math.prod(in_shape)), w.reshape(math.prod(in_shape), math.prod(out_shape)))
     return y.reshape(*lead, *out_shape)

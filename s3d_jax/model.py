@@ -52,7 +52,7 @@ class DraftLoRA(nn.Module):
         a = self.param("a", init_normal, (*self.in_shape, self.rank), self.dtype)
         b = self.param("b", nn.initializers.zeros, (self.rank, *self.out_shape), self.dtype)
         n_in = len(self.in_shape)
-        low = jnp.tensordot(x, a, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), precision=self.precision)
+        low = jnp.tensordot(x, a, axes=n_in, precision=self.precision)
         return jnp.tensordot(low, b, axes=1, precision=self.precision)
 
 
