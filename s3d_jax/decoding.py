@@ -7,10 +7,8 @@ cache included, is donated: the cache is updated in place.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import collections
 import dataclasses
-import functools
 import time
 
 import flax.struct
@@ -18,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import tree
+from s3d_jax import cpu, few_rows, tree
 from s3d_jax.cache import KVCache, prompt_forward
 from s3d_jax.config import ModelConfig
 from s3d_jax.model import head_logits
@@ -54,15 +52,16 @@ def top_probability(logits_BV):
 
 
 def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng, *, config: ModelConfig, sampling: Sampling,
-            reach: int, max_len: int):
+            reach: int, max_len: int, few_row_kernel: bool = True):
     """Runs the padded prompts through the full model and picks each row's first new token. Only the
     sampling and the plan's reach (the acceptance histogram's width) shape it, so one prefill serves
     every γ, tree size and method of equal reach."""
     B, P = prompts_BP.shape
-    hidden, cache = prompt_forward(params, config, prompts_BP, max_len)
-    last_hidden = jnp.take_along_axis(hidden, (prompt_lengths_B - 1)[:, None, None], axis=1)
+    with few_rows.switch(few_row_kernel):
+        hidden, cache = prompt_forward(params, config, prompts_BP, max_len)
+        last_hidden = jnp.take_along_axis(hidden, (prompt_lengths_B - 1)[:, None, None], axis=1)
+        first_logits = head_logits(params, config, last_hidden)[:, 0]
     rng, first_rng = jax.random.split(rng)
-    first_logits = head_logits(params, config, last_hidden)[:, 0]
     first = choose(first_rng, first_logits, sampling)
     tokens = jnp.zeros((B, max_len), jnp.int32).at[:, :P].set(prompts_BP)
     tokens = tokens.at[jnp.arange(B), prompt_lengths_B].set(first)
@@ -96,9 +95,9 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
       PLAIN_STEP    otherwise, when every active row's verifier picked x_n with a probability below
                     `plan.min_certainty`, x_n alone is verified: one plain step, no draft pass. Where the
                     text is that unpredictable a drafted tree accepts too little to pay for its passes
-                    (README, "Drafting only where the text is predictable").
+                    (docs/experiments.md, "Drafting only where the text is predictable").
       DRAFTED       otherwise the S3D draft pass builds a tree, which is verified without the branch: on
-                    a CPU every row of a verify pass costs time (README, "A drafted tree verified alone").
+                    a CPU every row of a verify pass costs time (docs/experiments.md, "A drafted tree verified alone").
 
     Every kind only reads the cache; the nodes' keys and values are written after the choice, padded to
     one shape, so that the `lax.switch` between them never holds a cache it must copy."""
@@ -180,76 +179,61 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
     )
 
 
-def advance(params, state: DecodeState, stop_iteration, *, config: ModelConfig, plan: Plan) -> DecodeState:
+def advance(params, state: DecodeState, stop_iteration, *, config: ModelConfig, plan: Plan, few_row_kernel: bool = True) -> DecodeState:
     """Iterates until every row is done or `stop_iteration` iterations have run in total."""
-    return jax.lax.while_loop(
-        lambda s: ~jnp.all(s.done) & (s.iteration < stop_iteration),
-        lambda s: iterate(params, config, plan, s),
-        state,
-    )
+    with few_rows.switch(few_row_kernel):
+        return jax.lax.while_loop(
+            lambda s: ~jnp.all(s.done) & (s.iteration < stop_iteration),
+            lambda s: iterate(params, config, plan, s),
+            state,
+        )
 
 
-_prefill_jit = jax.jit(prefill, static_argnames=("config", "sampling", "reach", "max_len"))
-_advance_jit = jax.jit(advance, static_argnames=("config", "plan"), donate_argnames="state")
+# `few_row_kernel` is static so that jit's own caches, like `compiled`'s, key on the kernel's switch.
+_prefill_jit = jax.jit(prefill, static_argnames=("config", "sampling", "reach", "max_len", "few_row_kernel"))
+_advance_jit = jax.jit(advance, static_argnames=("config", "plan", "few_row_kernel"), donate_argnames="state")
 
 
-# XLA's CPU backend hands dots to the YNNPACK library by default. Its kernels are the faster ones for
-# training's matmuls of thousands of rows, but for the decode loop's few rows against large weights
-# XLA's own dot emitter is faster (verify of 5 tokens about 20% cheaper; README, "Passes on the CPU").
-FEW_ROW_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# Executables compiled ahead of time, most recently used last. Bounded: a long-lived process that
+# decodes many shapes keeps the newest few; a `Run` holds its own two for as long as it lives.
+MAX_EXECUTABLES = 32
+_executables: collections.OrderedDict = collections.OrderedDict()
+_compiles = 0
 
 
-@functools.cache
-def few_row_compiler_options() -> dict | None:
-    """Compiler options for passes of a few tokens per row (the decode loop, the pass timings): on a
-    CPU, `FEW_ROW_CPU_OPTIONS` if this jaxlib knows them; elsewhere none."""
-    if jax.default_backend() != "cpu":
-        return None
-    try:
-        jax.jit(lambda x: x + 1).lower(1).compile(FEW_ROW_CPU_OPTIONS)
-    except Exception:  # a jaxlib without YNNPACK, or with the option renamed: its default dots
-        return None
-    return FEW_ROW_CPU_OPTIONS
+def compile_ahead(fn, *args, few_row_passes: bool = False, **statics):
+    """`fn` (jitted, taking a static `few_row_kernel`) lowered and compiled for the shapes of `args`;
+    returns (executable, seconds). Every decode executable is compiled here, so the few-row kernel's
+    switch, the CPU options of passes of a few rows per sequence (`few_row_passes`: the loop and the
+    pass timings) and the heap trim apply alike to each."""
+    global _compiles
+    few_rows.prepare()
+    start = time.perf_counter()
+    options = cpu.few_row_compiler_options() if few_row_passes else None
+    executable = fn.lower(*args, few_row_kernel=few_rows.switched_on(), **statics).compile(options)
+    seconds = time.perf_counter() - start
+    _compiles += 1
+    cpu.release_freed_memory()
+    return executable, seconds
 
 
-_executables: dict = {}
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return None
-
-
-def release_freed_memory() -> None:
-    """Hands the heap pages that are free back to the OS (glibc's `malloc_trim`). XLA's CPU compiler
-    and a checkpoint's load free most of what they allocate, but glibc keeps those pages: without
-    this the compiled S3D loop held about 200 MiB of freed heap (README, "Memory: the freed heap
-    handed back")."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def compiled(fn, *args, compiler_options: dict | None = None, **statics):
-    """`fn` compiled ahead of time for the shapes of `args` (cached); returns (executable, compile seconds)."""
+def compiled(fn, *args, few_row_passes: bool = False, **statics):
+    """`compile_ahead`, cached on the shapes of `args`, the statics and the kernel's switch."""
     leaves, treedef = jax.tree.flatten(args)
     shapes = tuple((tuple(x.shape), x.dtype) for x in leaves)
-    key = (fn, tuple(sorted(statics.items())), treedef, shapes, tuple(sorted((compiler_options or {}).items())))
+    key = (fn, tuple(sorted(statics.items())), treedef, shapes, few_row_passes, few_rows.switched_on())
     if key in _executables:
+        _executables.move_to_end(key)
         return _executables[key], 0.0
-    start = time.perf_counter()
-    _executables[key] = fn.lower(*args, **statics).compile(compiler_options)
-    seconds = time.perf_counter() - start
-    release_freed_memory()
+    _executables[key], seconds = compile_ahead(fn, *args, few_row_passes=few_row_passes, **statics)
+    while len(_executables) > MAX_EXECUTABLES:
+        _executables.popitem(last=False)
     return _executables[key], seconds
 
 
 def compile_count() -> int:
     """How many executables the decode engine has compiled so far (for compile-once checks)."""
-    return len(_executables)
+    return _compiles
 
 
 @dataclasses.dataclass
@@ -289,8 +273,7 @@ class Run:
         # The loop state's shapes, read off the executable rather than traced a second time.
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prefill_exe.out_info)
         stop = jax.ShapeDtypeStruct((), jnp.int32)
-        advance_exe, advance_seconds = compiled(_advance_jit, self.params, state, stop, compiler_options=few_row_compiler_options(),
-                                                **statics)
+        advance_exe, advance_seconds = compiled(_advance_jit, self.params, state, stop, few_row_passes=True, **statics)
         self._executables = (prefill_exe, advance_exe)
         self.compile_seconds = prefill_seconds + advance_seconds
 

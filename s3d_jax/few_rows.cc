@@ -14,10 +14,6 @@
 #include <memory>
 #include <thread>
 
-#ifdef __linux__
-#include <sched.h>
-#endif
-
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -89,17 +85,14 @@ struct Job {
   }
 };
 
-int64_t UsableCpus() {
-#ifdef __linux__
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-#endif
-  return std::max(1u, std::thread::hardware_concurrency());
-}
+// Set by S3dFewRowConfigure before the first product (few_rows.py does, when it loads the library).
+std::atomic<int64_t> configured_threads{1};
+std::atomic<int64_t> configured_spin_us{0};
 
-// Helper threads that spin briefly between jobs: a decode pass calls the kernel hundreds of times,
-// a few microseconds apart, and waking a sleeping thread for each call would cost more than its
-// share of the work. After kSpin without a job a helper sleeps until the next one.
+// Helper threads wait for the next product on a futex. After a product they first spin for
+// `spin_us`: the products of one decode pass come a few microseconds apart, and waking a sleeping
+// thread for each would cost more than its share of the work. Between passes, and after the decode,
+// they sleep, so that they take no core from the rest of the pass.
 class Helpers {
  public:
   static Helpers& Get() {
@@ -115,10 +108,7 @@ class Helpers {
   }
 
  private:
-  static constexpr auto kSpin = std::chrono::microseconds(200);
-
-  // One thread per CPU this process may run on, up to 8 in all: more would not add bandwidth.
-  Helpers() : size_(std::min<int64_t>(8, UsableCpus()) - 1) {
+  Helpers() : size_(configured_threads.load() - 1), spin_(std::chrono::microseconds(configured_spin_us.load())) {
     for (int64_t i = 0; i < size_; ++i) std::thread([this] { Loop(); }).detach();
   }
 
@@ -128,7 +118,7 @@ class Helpers {
       const auto start = std::chrono::steady_clock::now();
       uint64_t now;
       while ((now = posted_.load(std::memory_order_acquire)) == seen) {
-        if (std::chrono::steady_clock::now() - start < kSpin) {
+        if (std::chrono::steady_clock::now() - start < spin_) {
 #if defined(__x86_64__) || defined(__i386__)
           __builtin_ia32_pause();
 #endif
@@ -142,6 +132,7 @@ class Helpers {
   }
 
   const int64_t size_;
+  const std::chrono::microseconds spin_;
   std::atomic<uint64_t> posted_{0};
   std::shared_ptr<Job> job_;
 };
@@ -170,6 +161,13 @@ ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::R
 }
 
 }  // namespace
+
+// The threads sharing each product (the caller included) and the helpers' spin after a product, in
+// microseconds. Only the first call before any product takes effect: the helpers start with it.
+extern "C" void S3dFewRowConfigure(int64_t threads, int64_t spin_us) {
+  configured_threads.store(std::max<int64_t>(1, threads));
+  configured_spin_us.store(std::max<int64_t>(0, spin_us));
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmul, FewRowMatmul,
                               ffi::Ffi::Bind()

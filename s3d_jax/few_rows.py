@@ -3,73 +3,195 @@
 XLA's CPU dot reads a weight at its streaming bandwidth for one row, but for 2 to 16 rows it packs
 the weight first, so verifying 5 tokens cost about 2x a one-token step. `few_rows.cc`, an XLA FFI
 handler, reads the weight once for all the rows, which is what speculative decoding needs from a
-CPU. It is compiled with the machine's C++ compiler on first use (`-march=native`) into the cache
-directory; without a compiler, or with `S3D_JAX_FEW_ROW_KERNEL=0`, every product stays on XLA's dot.
+CPU. It is built with the machine's C++ compiler on first use (`-march=native`, a log line says so
+and how long it took) into `<cache root>/kernels/`, keyed on everything the binary depends on, and
+checked against its recorded digest before every load: a truncated or foreign file is rebuilt.
 
 `matmul(x, w)` is the one entry point: the kernel where it applies (a CPU backend with one device,
-float32, at most `MAX_ROWS` rows), `jnp.tensordot` everywhere else. It is differentiable.
+float32, at most `MAX_ROWS` rows, the switch on), `jnp.tensordot` everywhere else. It is
+differentiable. Settings (docs/cpu.md):
+- `S3D_JAX_FEW_ROW_KERNEL`: `0`/`false`/`no`/`off` keeps every product on XLA's dot. It is read
+  when a function is traced; the decode engine's caches key on it (`switch`).
+- `S3D_JAX_FEW_ROW_THREADS`: the threads sharing a product, read once per process; by default the
+  CPUs this process may run on, at most 8 (more add no bandwidth).
+- `S3D_JAX_FEW_ROW_SPIN_US`: how long a helper thread spins after a product before it sleeps, read
+  once per process (default 50 µs).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
+import logging
 import math
 import os
 import platform
 import subprocess
+import time
 import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib
+
+from s3d_jax.paths import cache_root
 
 SOURCE = Path(__file__).with_name("few_rows.cc")
 TARGET = "s3d_few_row_matmul"
 MAX_ROWS = 16  # beyond this (prefill, training) XLA's dot is the faster one
 ENV_SWITCH = "S3D_JAX_FEW_ROW_KERNEL"
+ENV_THREADS = "S3D_JAX_FEW_ROW_THREADS"
+ENV_SPIN = "S3D_JAX_FEW_ROW_SPIN_US"
+DEFAULT_MAX_THREADS = 8
+# Helpers spin this long after a product before sleeping: the products of one pass come a few
+# microseconds apart; a longer spin is no faster and keeps a core busy (docs/cpu.md, "Helper threads").
+DEFAULT_SPIN_MICROSECONDS = 50
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++20", "-shared", "-fPIC"]
+_ON, _OFF = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+log = logging.getLogger(__name__)
+_switch: contextvars.ContextVar[bool | None] = contextvars.ContextVar("few_row_kernel", default=None)
+
+
+def switched_on() -> bool:
+    """The switch: `switch(on)` while tracing under it, else `S3D_JAX_FEW_ROW_KERNEL` (default on)."""
+    forced = _switch.get()
+    if forced is not None:
+        return forced
+    value = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    if value not in _ON | _OFF:
+        raise ValueError(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r}: expected one of 1, 0, true, false, yes, no, on, off")
+    return value in _ON
+
+
+@contextlib.contextmanager
+def switch(on: bool):
+    """Traces inside use the kernel only if `on`: a static argument of a jitted function passes the
+    switch in, so that jit's caches key on it (`decoding.compile_ahead`)."""
+    token = _switch.set(bool(on))
+    try:
+        yield
+    finally:
+        _switch.reset(token)
+
+
+def _setting(name: str, default: int, minimum: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if not value.strip().isdigit() or int(value) < minimum:
+        raise ValueError(f"{name}={value!r}: expected a whole number >= {minimum}")
+    return int(value)
+
+
+def threads() -> int:
+    """`S3D_JAX_FEW_ROW_THREADS`, else the CPUs this process may use, at most `DEFAULT_MAX_THREADS`."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return _setting(ENV_THREADS, max(1, min(DEFAULT_MAX_THREADS, usable)), 1)
+
+
+def spin_microseconds() -> int:
+    return _setting(ENV_SPIN, DEFAULT_SPIN_MICROSECONDS, 0)
+
+
+def _compiler() -> list[str]:
+    return [os.environ.get("CXX", "c++")]
+
+
+@functools.cache
+def _compiler_version() -> str:
+    try:
+        return subprocess.run([*_compiler(), "--version"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
 
 
 def _library_path() -> Path:
-    """Where this source, built for this machine and this jaxlib, lives in the cache."""
-    from s3d_jax import bundled  # imports orbax: only when needed
-
+    """Where this source, built by this compiler for this CPU and this jaxlib, lives in the cache."""
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else platform.processor()
     cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), cpu)
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(FLAGS), jax.__version__, platform.machine(), cpu_flags]).encode()
-    ).hexdigest()[:16]
-    return bundled.cache_root() / "kernels" / f"few_rows-{key}.so"
+    parts = [SOURCE.read_text(), " ".join(FLAGS), jaxlib.__version__, _compiler_version(), platform.machine(), cpu_flags]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"few_rows-{key}.so"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _intact(library: Path) -> bool:
+    """Whether `library` is the file a build wrote: its digest matches the one recorded beside it."""
+    recorded = _digest_path(library)
+    return library.is_file() and recorded.is_file() and recorded.read_text().strip() == _digest(library)
+
+
+def _write_durably(path: Path, data: bytes | None = None) -> None:
+    """Writes `data` to `path` (or only flushes `path`) and fsyncs it, so a crash cannot leave it short."""
+    with open(path, "r+b" if data is None else "wb") as f:
+        if data is not None:
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _build(path: Path) -> None:
-    """Compiles the kernel to `path`, atomically, so concurrent first uses are safe."""
-    compiler = os.environ.get("CXX", "c++")
+    """Compiles the kernel to `path` and records its digest beside it. Both are written under
+    temporary names, synced, then renamed, so a crash or a concurrent first use leaves no short
+    file; a digest that does not match (a crash between the renames) only causes a rebuild."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
+    command = [*_compiler(), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
+    log.warning("s3d_jax: building the few-row CPU kernel for this machine (once), into %s", path.parent)
+    start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"`{' '.join(command)}` failed:\n{result.stderr[-2000:]}")
+    _write_durably(tmp)
+    digest_tmp = _digest_path(tmp)
+    _write_durably(digest_tmp, _digest(tmp).encode())
     tmp.replace(path)
+    digest_tmp.replace(_digest_path(path))
+    log.warning("s3d_jax: built the few-row CPU kernel in %.1f s", time.perf_counter() - start)
 
 
 def available() -> bool:
-    """Whether the kernel is on: not switched off, built (once per machine) and registered with XLA."""
-    return os.environ.get(ENV_SWITCH, "1") != "0" and _registered()
+    """Whether the kernel is on: switched on, built (once per machine) and registered with XLA."""
+    return switched_on() and _registered()
+
+
+def prepare() -> None:
+    """Builds and registers the kernel now if it can apply (a CPU backend with one device, switched
+    on), so that a first build is not counted in a compile's time."""
+    if jax.default_backend() == "cpu" and jax.device_count() == 1:
+        available()
+
+
+def _load(path: Path):
+    library = ctypes.cdll.LoadLibrary(str(path))
+    handler, configure = library.S3dFewRowMatmul, library.S3dFewRowConfigure  # AttributeError: not our library
+    configure.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    configure(threads(), spin_microseconds())
+    return handler
 
 
 @functools.cache
 def _registered() -> bool:
     try:
         path = _library_path()
-        if not path.exists():
+        if not _intact(path):
+            if path.exists():
+                log.warning("s3d_jax: %s is not the file its build wrote (truncated, replaced, or without its digest); rebuilding it", path)
             _build(path)
-        library = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.S3dFewRowMatmul), platform="cpu")
-    except (OSError, RuntimeError) as error:
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_load(path)), platform="cpu")
+    except (OSError, RuntimeError, AttributeError, ValueError) as error:
         warnings.warn(f"few-row CPU kernel unavailable, decoding uses XLA's dot: {error}", RuntimeWarning, stacklevel=3)
         return False
     return True

@@ -406,3 +406,13 @@ def test_compile_cache_enable_sets_the_persistent_cache(tmp_path, monkeypatch):
     finally:
         for name, value in before.items():
             jax.config.update(name, value)
+
+
+def test_a_cache_path_that_is_a_file_is_named_before_any_work(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("S3D_JAX_CACHE", str(tmp_path / "file"))
+    with pytest.raises(ValueError, match=r"S3D_JAX_CACHE=.*file is a file, not a directory"):
+        s3d_jax.load()
+    result = subprocess.run([sys.executable, "-m", "s3d_jax.generate", "--prompt", "hi"], capture_output=True, text=True,
+                            env={**os.environ, "S3D_JAX_CACHE": str(tmp_path / "file")}, timeout=120)
+    assert result.returncode == 2 and "is a file, not a directory" in result.stderr and "Traceback" not in result.stderr

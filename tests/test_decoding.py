@@ -1,5 +1,7 @@
 """The cache, the decode loop and speculative decoding on random models (CPU, float32)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 from reference import numpy_logits, tiny_model
 
 import s3d_jax
-from s3d_jax import api, decoding, few_rows
+from s3d_jax import api, cpu, decoding, few_rows
 from s3d_jax.cache import KVCache, cached_forward
 from s3d_jax.model import lm_logits
 from s3d_jax.speculative import Plan, draft_s3d
@@ -270,9 +272,9 @@ def test_s3d_needs_a_mask_row():
 
 
 def test_decode_loop_keeps_few_row_dots_off_ynnpack(model):
-    """On a CPU the loop compiles with `FEW_ROW_CPU_OPTIONS`: its dots of a few rows go to XLA's own
-    emitter, which measured faster there than YNNPACK's kernels (README, "Passes on the CPU")."""
-    if decoding.few_row_compiler_options() is None:
+    """On a CPU the loop compiles with `cpu.FEW_ROW_OPTIONS`: its dots of a few rows go to XLA's own
+    emitter, which measured faster there than YNNPACK's kernels (docs/cpu.md, "Passes on the CPU")."""
+    if cpu.few_row_compiler_options() is None:
         pytest.skip("not a CPU, or this jaxlib has no YNNPACK fusions")
     _, run, _ = s3d_jax.api.prepare(model, random_prompts([5])[0], method="s3d", gamma=3, skip=(2, 3), max_new_tokens=8)
     run.compile()
@@ -296,6 +298,45 @@ def test_decode_loop_runs_its_projections_in_the_few_row_kernel(model):
     assert few_rows.TARGET in prefill.as_text()  # the first token's logits: one row
     off = jax.jit(lambda p, t: lm_logits(p, model.config, t)).lower(run.params, jnp.zeros((1, 32, model.config.hidden_size)))
     assert few_rows.TARGET not in off.as_text()  # 32 rows: XLA's dot
+
+
+def test_the_kernel_switch_is_part_of_the_compile_cache_key(model, monkeypatch):
+    """Flipping `S3D_JAX_FEW_ROW_KERNEL` in a running process compiles the loop again, without or with
+    the kernel, instead of reusing what was compiled under the other setting; the output is the same."""
+    if not few_rows.available():
+        pytest.skip("no few-row kernel here (not built, or switched off)")
+    prompt, options = random_prompts([7], seed=4)[0], dict(method="s3d", gamma=3, skip=(2, 3), max_new_tokens=12)
+
+    def loop_text_and_tokens():
+        _, run, _ = api.prepare(model, prompt, **options)
+        run.compile()
+        return run._executables[1].as_text(), s3d_jax.decode(model, prompt, **options).tokens
+
+    with_kernel, tokens = loop_text_and_tokens()
+    for off in ("0", "false", "No", "off"):
+        monkeypatch.setenv(few_rows.ENV_SWITCH, off)
+        without_kernel, tokens_off = loop_text_and_tokens()
+        assert few_rows.TARGET in with_kernel and few_rows.TARGET not in without_kernel, off
+        assert tokens_off == tokens
+    monkeypatch.setenv(few_rows.ENV_SWITCH, "1")
+    assert few_rows.TARGET in loop_text_and_tokens()[0]
+    monkeypatch.setenv(few_rows.ENV_SWITCH, "maybe")
+    with pytest.raises(ValueError, match="S3D_JAX_FEW_ROW_KERNEL='maybe': expected one of"):
+        s3d_jax.decode(model, prompt, **options)
+
+
+def test_the_summary_reports_only_what_was_measured():
+    """Depths no draft reached are left out (never `nan`); a run that verified no draft says so."""
+    stats = api.DecodeStats(method="s3d", gamma=4, skip=(2, 3), generated_tokens=[20], iterations=[5],
+                            accept_histogram=[[2, 2, 1, 0, 0]], decode_seconds=1.0, compile_seconds=2.0, tree=4, lookup=True,
+                            branch_only=[1], plain_steps=[6], min_certainty=0.9)
+    text = stats.summary()
+    assert "nan" not in text and "11 iterations: 4 drafted, 1 the context branch alone, 6 plain steps" in text
+    assert "depth 1: 60% of 5, 2: 33% of 3, 3: 0% of 1" in text and "4:" not in text
+    never = dataclasses.replace(stats, iterations=[0], accept_histogram=[[0, 0, 0, 0, 0]], branch_only=[0], plain_steps=[19])
+    assert "nan" not in never.summary() and "no draft was verified" in never.summary()
+    plain = dataclasses.replace(stats, method="ar", gamma=0, tree=0, lookup=False)
+    assert plain.summary() == "ar: 20 tokens in 1.00 s, 20.0 tokens/s (compiling took 2.0 s)"
 
 
 @pytest.mark.parametrize("method,tree,lookup,min_certainty", [("ar", 0, None, None), ("s3d", 0, None, None), ("s3d", 4, False, 0.0),

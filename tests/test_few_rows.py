@@ -1,7 +1,11 @@
-"""The few-row CPU kernel (`s3d_jax/few_rows.cc`) against numpy, and where `few_rows.matmul` uses it."""
+"""The few-row CPU kernel (`s3d_jax/few_rows.cc`) against numpy, where `few_rows.matmul` uses it, and
+its cache, settings and threads."""
 
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +15,7 @@ import pytest
 from s3d_jax import few_rows
 
 needs_kernel = pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX", "c++")) is None or os.environ.get(few_rows.ENV_SWITCH) == "0",
+    shutil.which(os.environ.get("CXX", "c++")) is None or os.environ.get(few_rows.ENV_SWITCH, "1").lower() in ("0", "false", "no", "off"),
     reason="no C++ compiler, or the kernel switched off: products stay on XLA's dot",
 )
 SHAPES = [(1, 576, 1536), (5, 576, 1536), (16, 1536, 576), (7, 576, 49280), (3, 37, 53), (2, 9, 8), (9, 64, 300)]
@@ -103,3 +107,79 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
         monkeypatch.undo()
         few_rows._registered.cache_clear()
     assert few_rows.available()  # the same library again: registering it twice is harmless
+
+
+def kernel_process(cache, code="", **env):
+    """A fresh Python process that loads the kernel from `cache` (and runs `code`): (exit code, stderr, stdout)."""
+    script = f"from s3d_jax import few_rows\nprint(few_rows.available())\n{code}"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "S3D_JAX_CACHE": str(cache), **env})
+    return result.returncode, result.stderr, result.stdout
+
+
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory):
+    """A cache directory holding a freshly built kernel; the first build's log lines are checked here."""
+    cache = tmp_path_factory.mktemp("kernel_cache")
+    code, err, out = kernel_process(cache)
+    assert code == 0 and out.split() == ["True"], err
+    assert "building the few-row CPU kernel" in err and "built the few-row CPU kernel in" in err
+    return cache
+
+
+@needs_kernel
+def test_the_build_is_logged_and_happens_once(built_cache):
+    code, err, out = kernel_process(built_cache)
+    assert code == 0 and out.split() == ["True"] and "build" not in err, err
+
+
+@needs_kernel
+@pytest.mark.parametrize("damage", ["truncated", "foreign library", "digest missing", "random bytes"])
+def test_a_damaged_kernel_file_is_rebuilt_not_loaded(built_cache, tmp_path, damage):
+    """A file in the kernel cache that is not what the build wrote (a crash mid-copy, another library
+    at its path) is never loaded, which could kill the process with SIGBUS: it is rebuilt."""
+    shutil.copytree(built_cache / "kernels", tmp_path / "kernels")
+    (library,) = (tmp_path / "kernels").glob("few_rows-*.so")
+    digest = library.with_name(library.name + ".sha256")
+    if damage == "truncated":
+        library.write_bytes(library.read_bytes()[:4096])
+    elif damage == "foreign library":
+        shutil.copyfile(min(jax_libraries(), key=lambda p: p.stat().st_size), library)
+    elif damage == "digest missing":
+        digest.unlink()
+    else:
+        library.write_bytes(np.random.default_rng(0).bytes(library.stat().st_size))
+    code, err, out = kernel_process(tmp_path)
+    assert code == 0 and out.split() == ["True"], err
+    assert "is not the file its build wrote" in err and "built the few-row CPU kernel" in err
+    assert kernel_process(tmp_path)[1].count("build") == 0  # whole again
+
+
+def jax_libraries():
+    import jaxlib
+
+    return list(Path(jaxlib.__file__).parent.rglob("*.so"))
+
+
+@needs_kernel
+def test_the_thread_setting_sets_the_helper_threads(built_cache):
+    """`S3D_JAX_FEW_ROW_THREADS=N` starts N - 1 helper threads at the first product."""
+    count = "import os, jax, jax.numpy as jnp\njax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready()\n" \
+            "before = len(os.listdir('/proc/self/task'))\n" \
+            "jax.jit(few_rows.matmul)(jnp.ones((2, 64)), jnp.ones((64, 4096))).block_until_ready()\n" \
+            "print(len(os.listdir('/proc/self/task')) - before)"
+    if not Path("/proc/self/task").exists():
+        pytest.skip("no /proc: threads cannot be counted")
+    started = {}
+    for threads in ("1", "4"):
+        code, err, out = kernel_process(built_cache, count, S3D_JAX_FEW_ROW_THREADS=threads)
+        assert code == 0, err
+        started[threads] = int(out.split()[-1])
+    assert started["4"] - started["1"] == 3
+
+
+@pytest.mark.parametrize("name,value", [(few_rows.ENV_THREADS, "0"), (few_rows.ENV_THREADS, "many"), (few_rows.ENV_SPIN, "-5")])
+def test_a_bad_setting_is_named(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}='{value}': expected a whole number"):
+        few_rows.threads() if name == few_rows.ENV_THREADS else few_rows.spin_microseconds()

@@ -101,14 +101,14 @@ def run_peer(peer: str, hf_model: str | None, model_dir: str, prompts: dict, arg
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    decode = DecodeOptions.from_args(args, tree=None, lookup=None, min_certainty=None)  # the tree goes to greedy s3d alone
+    DecodeOptions(tree=args.tree, lookup=args.lookup, min_certainty=args.min_certainty)  # checked here, not in a child process
     prompts = {s: load_suite(s, args.limit) for s in args.suites}
     model_dir = args.model or str(bundled.ensure_converted())
     if any(m in ("s3d", "s3d_sample") for m in args.method_list) and checkpoint.load_config(model_dir).mask_token_id is None:
         raise BenchError("this model has no mask token row, which S3D needs; convert it with tools/convert_hf.py")
     if any(p in LLAMA_CPP_PEERS for p in args.peer_list):
         llama_cpp_peer.require()
-    decode = DecodeOptions.from_args(args, tree=None, lookup=None, min_certainty=None)  # the tree goes to greedy s3d alone
-    DecodeOptions(tree=args.tree, lookup=args.lookup, min_certainty=args.min_certainty)  # checked here, not in a child process
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         hf_model = args.hf_model

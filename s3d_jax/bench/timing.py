@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import tree
+from s3d_jax import few_rows, tree
 from s3d_jax.cache import KVCache
-from s3d_jax.decoding import few_row_compiler_options
+from s3d_jax.decoding import compile_ahead
 from s3d_jax.speculative import Plan, draft_s3d, verify
 
 
@@ -22,14 +22,16 @@ def pass_ms(model, pass_fn, context: int = 256, repeats: int = 20) -> float:
     so XLA cannot hoist the pass out of the loop."""
     cache = KVCache.zeros(model.config, 1, max(512, context + 16)).replace(lengths=jnp.asarray([context], jnp.int32))
 
-    def loop(params, cache):
+    def loop(params, cache, few_row_kernel):
         def body(i, total):
             return total + pass_fn(params, cache, jnp.full((1,), i % 1000, jnp.int32)).sum()
 
-        return jax.lax.fori_loop(0, repeats, body, jnp.zeros((), jnp.float32))
+        with few_rows.switch(few_row_kernel):
+            return jax.lax.fori_loop(0, repeats, body, jnp.zeros((), jnp.float32))
 
-    fn = jax.jit(loop, compiler_options=few_row_compiler_options())  # as the decode loop compiles
-    jax.block_until_ready(fn(model.params, cache))  # compile and warm up
+    # Compiled as the decode loop is; not kept in its cache, since `loop` closes over `pass_fn`.
+    fn, _ = compile_ahead(jax.jit(loop, static_argnames="few_row_kernel"), model.params, cache, few_row_passes=True)
+    jax.block_until_ready(fn(model.params, cache))  # warm up
     start = time.perf_counter()
     jax.block_until_ready(fn(model.params, cache))
     return (time.perf_counter() - start) / repeats * 1e3

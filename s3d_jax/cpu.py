@@ -1,0 +1,47 @@
+"""What the CPU backend needs from the process, in one place; `decoding.compiled` is its one caller.
+
+- Compiler options for passes of a few tokens per row: XLA's CPU backend hands dots to the YNNPACK
+  library by default, whose kernels are the faster ones for training's products of thousands of rows,
+  but for the decode loop's few rows against large weights XLA's own dot emitter is faster (verify
+  of 5 tokens about 20% cheaper; docs/cpu.md).
+- Freed heap handed back to the OS: XLA's CPU compiler and a checkpoint's load free most of what
+  they allocate, but glibc keeps those pages; without `malloc_trim` the compiled S3D loop held about
+  200 MiB of freed heap (docs/cpu.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+import jax
+
+FEW_ROW_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.cache
+def few_row_compiler_options() -> dict | None:
+    """`FEW_ROW_OPTIONS` on a CPU backend whose jaxlib knows them; elsewhere None (the defaults)."""
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        jax.jit(lambda x: x + 1).lower(1).compile(FEW_ROW_OPTIONS)
+    except Exception:  # a jaxlib without YNNPACK, or with the option renamed: its default dots
+        return None
+    return FEW_ROW_OPTIONS
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hands the heap pages that are free back to the OS (glibc's `malloc_trim`; a no-op elsewhere)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
