@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from reference import tiny_config
 
-from s3d_jax.predict import draft_ratio, fit_depth_discount, fit_first_acceptance, interpolated, predict_speedup, symmetric_skips
+from s3d_jax.speedup import draft_ratio, fit_depth_discount, fit_first_acceptance, interpolated, predict_speedup, symmetric_skips
 
 
 def test_fit_recovers_first_acceptance_curve():
@@ -43,6 +43,7 @@ def test_draft_ratio_and_grid():
     assert skips == [(3, 4), (2, 5), (1, 6)]
 
 
+@pytest.mark.needs("bundled_model", "mt_bench")
 def test_cli_sweep_on_tiny_drafters(tmp_path):
     """The whole command: measure two drafters, fit, predict the grid, measure it, write json and plot."""
     import json
@@ -87,7 +88,7 @@ def test_cli_sweep_on_tiny_drafters(tmp_path):
 
 
 def test_static_tree_e_counts_the_most_frequent_rank_paths():
-    from s3d_jax.predict import static_tree_e, tree_analysis
+    from s3d_jax.speedup import static_tree_e, tree_analysis
 
     ranks = np.array([[0, 0]] * 4 + [[1, 0]] * 2 + [[0, 1], [9, 0]])  # 8 positions; rank 9 is out of every tree's reach
     # Prefix counts: (0,) 5, (0, 0) 4, (1,) 2, (1, 0) 2, (0, 1) 1.
@@ -110,7 +111,7 @@ def test_draft_ranks_equal_a_draft_pass_from_each_prefix(draft_vocab):
 
     from s3d_jax.cache import prompt_forward
     from s3d_jax.drafter import with_draft_vocab
-    from s3d_jax.predict import draft_ranks
+    from s3d_jax.predict.replies import draft_ranks
     from s3d_jax.speculative import Plan, draft_s3d
 
     model = tiny_model(seed=3)
@@ -137,7 +138,7 @@ def test_draft_ranks_equal_a_draft_pass_from_each_prefix(draft_vocab):
 
 
 def test_replay_counts_each_kind_of_iteration_and_its_cost():
-    from s3d_jax.predict import replay
+    from s3d_jax.speedup import replay
 
     reply = {"certainty": np.array([0.95, 0.2, 0.5, 0.99, 0.1, 0.3]), "drafted": np.array([3, 0, 1, 0, 0, 2]),
              "branch": np.array([False, False, False, False, True, False]), "branch_k": np.array([0, 0, 0, 0, 1, 0])}
@@ -160,7 +161,8 @@ def test_the_gate_replay_visits_what_decoding_does():
 
     import s3d_jax
     from s3d_jax import api
-    from s3d_jax.predict import iteration_outcomes, replay
+    from s3d_jax.predict.replies import iteration_outcomes
+    from s3d_jax.speedup import replay
 
     base = tiny_model(seed=1)
     model = base.__class__(base.params, base.config.replace(draft_skip=(2, 3), draft_gamma=3, draft_tree=4))

@@ -36,7 +36,7 @@ from s3d_jax.bench import harness, llama_cpp_peer, timing
 from s3d_jax.bench.methods import decode_prompts, memory_now_mib, peak_memory_mib
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
 from s3d_jax.options import DEFAULT_GAMMA, DecodeOptions, add_arguments, add_model_arguments, default_skip, load_arguments
-from s3d_jax.predict import draft_ratio
+from s3d_jax.speedup import draft_ratio
 
 METHODS = ("ar", "selfspec", "s3d")
 PROMPTS = [
