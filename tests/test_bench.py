@@ -47,6 +47,7 @@ def test_humaneval_harness_runs_completions():
     assert pass_at_1([problem] * 3, ["    return a + b\n", "    return a - b\n", restated]) == pytest.approx(2 / 3)
 
 
+@pytest.mark.needs("bundled_model", "mt_bench", "humaneval", "news")
 def test_bench_smoke_on_a_tiny_model(tmp_path):
     model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, hidden_size=32, intermediate_size=64, head_dim=8)
     tokenizer = bundled.tokenizer()
@@ -80,6 +81,7 @@ def test_bench_bad_input(args, message):
     assert result.returncode == 2 and message in result.stderr
 
 
+@pytest.mark.needs("mt_bench")
 def test_bench_refuses_s3d_without_a_mask_row(tmp_path):
     model = tiny_model(mask_token_id=None)
     checkpoint.save(tmp_path / "model", model.params, model.config)
@@ -95,6 +97,7 @@ def test_the_bench_module_leaves_jax_out():
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
+@pytest.mark.needs("bundled_model")
 def test_bench_decode_on_a_tiny_model(tmp_path):
     """tools/bench_decode.py: pass costs and every method in s3d_jax's process, transformers in the bench's peer process."""
     model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, hidden_size=32, intermediate_size=64, head_dim=8)
@@ -125,6 +128,7 @@ def test_bench_decode_on_a_tiny_model(tmp_path):
     assert (tmp_path / "out" / "bench_decode.png").stat().st_size > 0
 
 
+@pytest.mark.needs("mt_bench")
 def test_llama_cpp_peer_missing_names_the_extra(monkeypatch, tmp_path):
     import importlib.util
 

@@ -9,70 +9,20 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from hf_models import REPO, RTOL, VOCAB, hf_logits, random_hf_model, relative_error, save_torch_bin
 
 torch = pytest.importorskip("torch")
 
 import s3d_jax  # noqa: E402
-from s3d_jax import checkpoint  # noqa: E402
 from s3d_jax.checkpoint import CheckpointError  # noqa: E402
-from s3d_jax.config import ConfigError, ModelConfig  # noqa: E402
-from s3d_jax.convert import add_mask_row, convert, export_hf, main, mask_row_plan, read_source  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-RTOL = 1e-4  # max |ours - reference| / max |reference|, float32
-VOCAB = 96
-
-
-def relative_error(got, ref) -> float:
-    return float(np.max(np.abs(np.asarray(got, np.float64) - ref)) / np.max(np.abs(ref)))
-
-
-def random_hf_model(arch: str, *, heads=4, kv_heads=2, tied=False, theta=10000.0, layers=2, seed=0, **extra):
-    """A tiny random transformers model, weights scaled up from the 0.02 init so logits are far from flat."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
-
-    config_cls, model_cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "mistral": (MistralConfig, MistralForCausalLM),
-        "phi3": (Phi3Config, Phi3ForCausalLM),
-    }[arch]
-    config = config_cls(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        rope_theta=theta,
-        tie_word_embeddings=tied,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        **extra,
-    )
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-    return model
-
-
-def hf_logits(model, ids) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.as_tensor(np.asarray(ids))).logits.float().numpy()
+from s3d_jax.config import ModelConfig  # noqa: E402
+from s3d_jax.convert import add_mask_row, convert, export_hf, mask_row_plan, read_source  # noqa: E402
 
 
 def our_logits(out_dir, ids, vocab=None) -> np.ndarray:
@@ -164,21 +114,6 @@ def test_sharded_safetensors(tmp_path):
     assert_parity("sharded-safetensors", model, convert(tmp_path / "hf", tmp_path / "out", progress=False), random_ids())
 
 
-def save_torch_bin(model, where: Path, shards: int = 1):
-    """The pytorch_model.bin layout (transformers 5 only writes safetensors)."""
-    model.config.save_pretrained(where)
-    state = model.state_dict()  # a tied model's lm_head.weight is in here too
-    if shards == 1:
-        torch.save(state, where / "pytorch_model.bin")
-        return
-    names = list(state)
-    weight_map = {}
-    for k in range(shards):
-        file = f"pytorch_model-{k + 1:05d}-of-{shards:05d}.bin"
-        part = names[k::shards]
-        torch.save({n: state[n] for n in part}, where / file)
-        weight_map.update({n: file for n in part})
-    (where / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 @pytest.mark.parametrize("shards", [1, 2])
@@ -256,196 +191,6 @@ def test_mask_row_reserved_with_small_tokenizer(tmp_path):
     assert len(loaded.tokenizer) == 80
     assert loaded.tokenizer("w5 w7").input_ids == [5, 7]
     assert_parity("phi3 reserved mask row", model, out, random_ids())
-
-
-# --------------------------------------------------------------------------------------------
-# Bad inputs: each names the problem.
-
-
-@pytest.fixture(scope="module")
-def tiny_hf_dir(tmp_path_factory):
-    where = tmp_path_factory.mktemp("tiny") / "hf"
-    random_hf_model("llama", heads=4, kv_heads=2).save_pretrained(where)
-    return where
-
-
-@pytest.fixture
-def hf_copy(tiny_hf_dir, tmp_path):
-    return Path(shutil.copytree(tiny_hf_dir, tmp_path / "hf"))
-
-
-def edit_config(where: Path, **changes):
-    config = json.loads((where / "config.json").read_text())
-    config.update(changes)
-    (where / "config.json").write_text(json.dumps(config))
-
-
-def edit_tensors(where: Path, edit):
-    from safetensors.numpy import load_file, save_file
-
-    tensors = load_file(where / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, where / "model.safetensors", metadata={"format": "pt"})
-
-
-def test_unknown_architecture(hf_copy, tmp_path):
-    edit_config(hf_copy, model_type="gpt2")
-    with pytest.raises(ConfigError, match="gpt2"):
-        convert(hf_copy, tmp_path / "out", progress=False)
-
-
-@pytest.mark.parametrize(
-    "changes, match",
-    [
-        (dict(rope_scaling={"rope_type": "yarn", "factor": 8.0}), "rope_scaling.*yarn"),
-        (dict(attention_bias=True), "attention_bias"),
-        (dict(hidden_act="gelu"), "hidden_act"),
-    ],
-)
-def test_unsupported_config_field(hf_copy, tmp_path, changes, match):
-    edit_config(hf_copy, **changes)
-    with pytest.raises(ConfigError, match=match):
-        convert(hf_copy, tmp_path / "out", progress=False)
-
-
-def test_rope_parameters_from_transformers5():
-    """transformers 5 configs keep rope theta and type in `rope_parameters`."""
-    from transformers import LlamaConfig, Phi3Config
-
-    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=12345.0).to_dict()
-    assert "rope_parameters" in hf and ModelConfig.from_hf(hf).rope_theta == 12345.0
-    hf = Phi3Config(hidden_size=64, num_attention_heads=4, rope_theta=5e4).to_dict()
-    assert ModelConfig.from_hf(hf).rope_theta == 5e4
-    hf = LlamaConfig(
-        hidden_size=64,
-        num_attention_heads=4,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    ).to_dict()
-    assert ModelConfig.from_hf(hf).rope_scaling.rope_type == "llama3"  # Llama-3.1 (tests/test_families.py)
-    hf["rope_parameters"].update(rope_type="dynamic")
-    with pytest.raises(ConfigError, match="dynamic"):
-        ModelConfig.from_hf(hf)
-    hf = Phi3Config(hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.5).to_dict()
-    with pytest.raises(ConfigError, match="partial_rotary_factor"):
-        ModelConfig.from_hf(hf)
-
-
-def test_missing_weight_file(hf_copy, tmp_path):
-    (hf_copy / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="no weights in .*model.safetensors"):
-        convert(hf_copy, tmp_path / "out", progress=False)
-
-
-def test_missing_config(hf_copy, tmp_path):
-    (hf_copy / "config.json").unlink()
-    with pytest.raises(CheckpointError, match="config.json is missing"):
-        convert(hf_copy, tmp_path / "out", progress=False)
-
-
-def test_missing_source(tmp_path):
-    with pytest.raises(CheckpointError, match="no model at"):
-        convert(tmp_path / "nowhere", tmp_path / "out", progress=False)
-
-
-def test_truncated_safetensors(hf_copy, tmp_path):
-    path = hf_copy / "model.safetensors"
-    path.write_bytes(path.read_bytes()[:-1000])
-    with pytest.raises(CheckpointError, match="model.safetensors"):
-        convert(hf_copy, tmp_path / "out", progress=False)
-
-
-def test_missing_shard(tmp_path):
-    random_hf_model("llama").save_pretrained(tmp_path / "hf", max_shard_size="40KB")
-    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[-1]
-    shard.unlink()
-    with pytest.raises(CheckpointError, match=shard.name):
-        convert(tmp_path / "hf", tmp_path / "out", progress=False)
-
-
-def test_wrong_shape(hf_copy, tmp_path):
-    name = "model.layers.1.mlp.up_proj.weight"
-    edit_tensors(hf_copy, lambda t: t.update({name: t[name][:, :-1].copy()}))
-    with pytest.raises(CheckpointError, match=rf"{name} has shape \(96, 63\).*\(96, 64\)"):
-        convert(hf_copy, tmp_path / "out", progress=False)
-
-
-def test_missing_tensor(hf_copy, tmp_path):
-    edit_tensors(hf_copy, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"missing weight model\.layers\.1\.self_attn\.k_proj\.weight"):
-        convert(hf_copy, tmp_path / "out", progress=False)
-
-
-def test_unexpected_tensor(hf_copy, tmp_path):
-    name = "model.layers.0.self_attn.q_proj.bias"
-    edit_tensors(hf_copy, lambda t: t.update({name: np.zeros(64, np.float32)}))
-    with pytest.raises(CheckpointError, match=rf"unexpected tensor {name}"):
-        convert(hf_copy, tmp_path / "out", progress=False)
-
-
-def test_extra_layer(hf_copy, tmp_path):
-    name = "model.layers.2.input_layernorm.weight"
-    edit_tensors(hf_copy, lambda t: t.update({name: np.ones(64, np.float32)}))
-    with pytest.raises(CheckpointError, match=rf"unexpected tensor {name}.*2 layers"):
-        convert(hf_copy, tmp_path / "out", progress=False)
-
-
-def test_corrupt_gguf(tmp_path):
-    bad = tmp_path / "bad.gguf"
-    bad.write_bytes(np.random.default_rng(0).bytes(4096))
-    with pytest.raises(CheckpointError, match="bad.gguf"):
-        convert(bad, tmp_path / "out", progress=False)
-
-
-def test_non_llama_gguf(tmp_path):
-    import gguf
-
-    path = tmp_path / "gpt2.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ConfigError, match="GGUF architecture 'gpt2'"):
-        convert(path, tmp_path / "out", progress=False)
-
-
-def test_edited_layer_count_fails_to_load(tiny_hf_dir, tmp_path):
-    out = convert(tiny_hf_dir, tmp_path / "out", progress=False)
-    config = json.loads((out / "s3d_config.json").read_text())
-    config["num_layers"] = 3
-    (out / "s3d_config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="layer_2"):
-        checkpoint.load(out)
-
-
-def test_older_format_asks_for_a_new_conversion(tiny_hf_dir, tmp_path):
-    out = convert(tiny_hf_dir, tmp_path / "out", progress=False)
-    config = json.loads((out / "s3d_config.json").read_text())
-    assert config.pop("format") == checkpoint.FORMAT
-    (out / "s3d_config.json").write_text(json.dumps(config))  # as format 1 wrote it
-    with pytest.raises(CheckpointError, match="holds model format 1, and this s3d_jax reads format 2: convert the model again"):
-        s3d_jax.load(out)
-
-
-def test_cli_error_exits_2(tmp_path, capsys):
-    assert main([str(tmp_path / "nowhere"), str(tmp_path / "out"), "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: no model at") and "Traceback" not in err
-
-
-def test_cli_error_subprocess(hf_copy, tmp_path):
-    edit_config(hf_copy, model_type="gpt2")
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "convert_hf.py"), str(hf_copy), str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 2
-    assert result.stderr.startswith("error: unknown architecture model_type='gpt2'")
-    assert "Traceback" not in result.stderr
 
 
 # --------------------------------------------------------------------------------------------

@@ -156,6 +156,7 @@ def test_a_drafter_for_another_model_is_refused(tmp_path):
         drafter.apply(tiny_model(seed=0, hidden_size=24, head_dim=6), path)
 
 
+@pytest.mark.needs("bundled_model")
 def test_a_drafter_for_another_tokenizer_is_refused(tmp_path):
     from s3d_jax import bundled
 

@@ -25,17 +25,15 @@ import jax
 import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict, unflatten_dict
+from hf_models import FAMILY_VOCAB, REPO, RTOL, convert_cli, hf_classes, hf_logits, max_abs_diff, random_family_model, relative_error, save
 
 torch = pytest.importorskip("torch")
-
-from test_convert import REPO, RTOL, hf_logits, relative_error, save_torch_bin  # noqa: E402
 
 import s3d_jax  # noqa: E402
 from s3d_jax.checkpoint import Model  # noqa: E402
 from s3d_jax.config import ConfigError, ModelConfig  # noqa: E402
 from s3d_jax.convert import convert, main  # noqa: E402
 
-VOCAB = 128
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64)  # short, so that 16 tokens reach every regime
 GEMMA3_ROPE = {"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
@@ -74,62 +72,18 @@ DECODE_CASES = ["llama3.1-gqa-tied", "qwen2-gqa-untied-window", "qwen3-gqa-untie
 PROMPT_LENGTHS, NEW_TOKENS = (7, 3), 14  # prompt + output run past the windows of 5
 
 
-def hf_classes(family: str):
-    import transformers as tf
-
-    return {
-        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
-        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
-        "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
-    }[family]
 
 
-def random_family_model(family: str, seed: int = 0, **fields):
-    """A tiny random model; weights scaled up from the 0.02 init so logits are far from flat, and norm
-    weights around 1 (Gemma stores w for a scale of 1 + w, so around 0 there)."""
-    config_cls, model_cls = hf_classes(family)
-    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
-                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**shape, **fields})).eval()
-    centre = 0.0 if family.startswith("gemma") else 1.0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(centre + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.15)
-    return model
 
 
-def save(model, where, how: str):
-    if how == "bin":
-        save_torch_bin(model, where)
-    else:
-        model.save_pretrained(where, max_shard_size="40KB" if how == "sharded" else "50GB")
-        assert (where / "model.safetensors.index.json").exists() == (how == "sharded")
 
 
-def convert_cli(src, out, subprocess_run: bool = False):
-    """`tools/convert_hf.py SRC OUT --quiet`: its `main`, or in a subprocess as a user runs it."""
-    args = [str(src), str(out), "--quiet"]
-    if subprocess_run:
-        result = subprocess.run([sys.executable, str(REPO / "tools" / "convert_hf.py"), *args], capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
-    else:
-        assert main(args) == 0
-    return out
 
 
 def random_ids(n=2, t=16, seed=1):
-    return np.random.default_rng(seed).integers(3, VOCAB, (n, t))
+    return np.random.default_rng(seed).integers(3, FAMILY_VOCAB, (n, t))
 
 
-def max_abs_diff(model: Model, hf_model, ids) -> tuple[float, float]:
-    """(max |ours - transformers| over the original vocabulary, the same relative to max |reference|)."""
-    ref = hf_logits(hf_model, ids)
-    got = np.asarray(s3d_jax.logits(model, ids))[..., : ref.shape[-1]]
-    return float(np.max(np.abs(got - ref))), relative_error(got, ref)
 
 
 def turned_off(model: Model, off: dict) -> Model:
@@ -167,7 +121,7 @@ def test_logits_match_transformers(case, converted):
     c = model.config
     assert c.architecture == CASES[case]["family"]
     # No tokenizer: an appended row, then padding to a multiple of 128 rows that is never produced.
-    assert (c.vocab_size, c.mask_token_id, c.output_vocab_size) == (256, VOCAB, VOCAB)
+    assert (c.vocab_size, c.mask_token_id, c.output_vocab_size) == (256, FAMILY_VOCAB, FAMILY_VOCAB)
     ids = random_ids()
     diff, rel = max_abs_diff(model, hf_model, ids)
     print(f"\nPARITY {case}: max abs logit difference {diff:.2e}, relative {rel:.2e} (tolerance {RTOL:.0e})")
@@ -196,7 +150,7 @@ def test_family_options_recorded(converted):
 
 def prompts():
     rng = np.random.default_rng(7)
-    return [rng.integers(3, VOCAB, n).tolist() for n in PROMPT_LENGTHS]
+    return [rng.integers(3, FAMILY_VOCAB, n).tolist() for n in PROMPT_LENGTHS]
 
 
 @pytest.fixture(scope="module")
@@ -242,8 +196,8 @@ def test_to_hf_round_trip(case, converted, tmp_path):
     assert type(exported).__name__ == type(hf_model).__name__
     ids = random_ids(seed=3)
     ref = hf_logits(exported, ids)  # the export keeps the mask row and drops the padding
-    assert ref.shape[-1] == VOCAB + 1
-    assert relative_error(np.asarray(s3d_jax.logits(model, ids)), ref[..., :VOCAB]) < RTOL
+    assert ref.shape[-1] == FAMILY_VOCAB + 1
+    assert relative_error(np.asarray(s3d_jax.logits(model, ids)), ref[..., :FAMILY_VOCAB]) < RTOL
     again = s3d_jax.load(convert(tmp_path / "back", tmp_path / "again", progress=False))
     assert again.config == model.config
     for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(model.params), strict=True):

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from reference import tiny_model
 
 from s3d_jax import bundled, data, self_data
@@ -10,6 +11,7 @@ from s3d_jax.options import DecodeOptions
 
 PROMPTS = [(f"p{i}", f"Question number {i}: what is {i} plus {i}?") for i in range(7)]
 OPTIONS = DecodeOptions(method="ar", max_new_tokens=6)
+pytestmark = pytest.mark.needs("bundled_model")  # its tokenizer and chat template
 
 
 def chat_model():
