@@ -8,9 +8,9 @@ the verifier's argmax as the label, draft-only LoRA plus the mask row (the verif
 original model, bit for bit), and a draft head over the 8192 most frequent reply tokens (counted over the replies and
 ShareGPT's assistant turns). The drafter asks for a token tree of 4 nodes (with the context branch, on with
 every tree): on this CPU a verify pass grows with its rows, and with the branch verified alone whenever
-the context supplies it, 4 nodes were faster than 16, 8 and 2 on MT-Bench, HumanEval and news (README,
+the context supplies it, 4 nodes were faster than 16, 8 and 2 on MT-Bench, HumanEval and news (docs/experiments.md,
 "The branch alone"); measured again once a drafted tree no longer carried the branch, 2 and 4 were
-within noise and 8 slower (README, "A drafted tree verified alone"). On a memory-bound device, where
+within noise and 8 slower (docs/experiments.md, "A drafted tree verified alone"). On a memory-bound device, where
 rows are nearly free, `tree=16` accepts more.
 """
 

@@ -11,7 +11,7 @@ import numbers
 METHODS = ("ar", "s3d", "selfspec")
 DEFAULT_GAMMA = 4
 # With a tree, draft only where the verifier picked x_n with at least this probability; elsewhere take
-# one plain step. Chosen on a 2-core CPU, where a drafted tree costs about 2.4 plain steps (README,
+# one plain step. Chosen on a 2-core CPU, where a drafted tree costs about 2.4 plain steps (docs/experiments.md,
 # "Drafting only where the text is predictable"); where verifying a few tokens costs about one step,
 # as on a GPU, 0 drafts at every iteration.
 DEFAULT_MIN_CERTAINTY = 0.9

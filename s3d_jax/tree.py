@@ -98,7 +98,7 @@ def context_branch(tokens_BL, n_B, length: int, max_ngram: int = 3):
         best_end = jnp.where(latest >= 0, latest, best_end)  # a longer match wins
         matched = jnp.where(latest >= 0, i + 1, matched)
     # The copy runs on into itself: past x_n it repeats the `period` tokens after the match, the
-    # guess that a text in a loop stays in it (README, "The branch copies into itself").
+    # guess that a text in a loop stays in it (docs/experiments.md, "The branch copies into itself").
     period = jnp.maximum(n_B - best_end, 1)[:, None]
     at = best_end[:, None] + 1 + jnp.arange(length)[None, :] % period
     branch = jnp.take_along_axis(tokens_BL, jnp.clip(at, 0, L - 1), axis=1)
@@ -106,7 +106,7 @@ def context_branch(tokens_BL, n_B, length: int, max_ngram: int = 3):
 
 
 # A one-token match is a weak guess: decoding skips the draft only on a match of at least two tokens
-# (README, "The branch alone": E rose on every suite at the same speed).
+# (docs/experiments.md, "The branch alone": E rose on every suite at the same speed).
 BRANCH_ALONE_MIN_MATCH = 2
 
 

@@ -1,0 +1,57 @@
+"""Plain decoding, S3D at the loaded model's defaults, and S3D that never drafts, interleaved in one
+process on one chat prompt: tokens/s as medians over repeats, each as a ratio to plain, the CPU cores
+the process kept busy while decoding, and whether each output equals plain greedy's.
+
+    python tools/decode_ab.py                                  # the bundled model, `make demo`'s prompt
+    S3D_JAX_FEW_ROW_SPIN_US=200 python tools/decode_ab.py      # the kernel's helpers spinning longer
+    PYTHONPATH=/path/to/other/checkout python tools/decode_ab.py --tag before
+
+Never run it beside another heavy process: the ratios are only as steady as the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import s3d_jax
+from s3d_jax import options as options_lib
+
+DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, and explain how it works."
+KINDS = {"plain": dict(method="ar"), "s3d": {}, "s3d, never drafting": dict(min_certainty=1.0, lookup=False)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompt", default=DEMO_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--tag", default="", help="a label printed at the start of each line")
+    options_lib.add_model_arguments(p)
+    args = p.parse_args(argv)
+    model = s3d_jax.load(**options_lib.load_arguments(args))
+    decode = {kind: (lambda kw=kw: s3d_jax.decode(model, args.prompt, chat=True, max_new_tokens=args.max_new_tokens, **kw))
+              for kind, kw in KINDS.items()}
+    for run in decode.values():  # compile and warm up
+        run()
+    speeds, cores, tokens = {kind: [] for kind in KINDS}, {kind: [] for kind in KINDS}, {}
+    for _ in range(args.repeats):
+        for kind, run in decode.items():
+            before = os.times()
+            out = run()
+            after = os.times()
+            speeds[kind].append(out.stats.tokens_per_second)
+            cores[kind].append((after.user + after.system - before.user - before.system) / out.stats.decode_seconds)
+            tokens[kind] = out.tokens
+    plain = statistics.median(speeds["plain"])
+    for kind in KINDS:
+        speed = statistics.median(speeds[kind])
+        print(f"{args.tag} {kind:20s} {speed:6.1f} tokens/s  {speed / plain:.3f}x plain  "
+              f"{statistics.median(cores[kind]):.2f} cores busy  identical to plain: {tokens[kind] == tokens['plain']}".strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
