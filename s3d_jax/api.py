@@ -62,9 +62,12 @@ def token_array(token_ids, config: ModelConfig) -> np.ndarray:
                 raise TypeError(f"token ids must be ints, got {t!r}")
     elif ids.dtype.kind not in "iu":
         raise TypeError(f"token ids must be ints, got an array of {ids.dtype}")
-    outside = ids[(ids < 0) | (ids >= config.vocab_size)]
+    vocab = config.output_vocab_size or config.vocab_size  # past it: the rows a conversion adds (mask, padding)
+    outside = ids[(ids < 0) | (ids >= vocab)]
     if outside.size:
-        raise ValueError(f"token id {outside.flat[0]} is outside the vocabulary [0, {config.vocab_size})")
+        raise ValueError(f"token id {outside.flat[0]} is outside the vocabulary [0, {vocab})")
+    if config.mask_token_id is not None and np.any(ids == config.mask_token_id):
+        raise ValueError(f"token id {config.mask_token_id} is the mask token, which only the draft's input may hold")
     return ids.astype(np.int64)
 
 

@@ -70,8 +70,9 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str,
 
 
 def check_target(out: Path, overwrite: bool) -> None:
-    """Refuses an output path that is a file, or a non-empty directory unless `overwrite` (and never the
-    current directory or one that holds it)."""
+    """Refuses an output path that is a file, or a non-empty directory unless `overwrite`; even then only
+    a model directory (an s3d_jax model, or a transformers export) is replaced, never the current
+    directory or one that holds it."""
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} exists and is not a directory; choose another output path")
     if out.is_dir() and any(out.iterdir()):
@@ -79,6 +80,9 @@ def check_target(out: Path, overwrite: bool) -> None:
             raise CheckpointError(f"{out} already exists and is not empty; pass --overwrite (overwrite=True) to replace it whole")
         if out.resolve() in (Path.cwd(), *Path.cwd().parents):
             raise CheckpointError(f"refusing to replace {out}: it is or holds the current directory")
+        if not any((out / name).is_file() for name in (CONFIG_FILE, "config.json")):
+            raise CheckpointError(f"refusing to replace {out}: it holds no model ({CONFIG_FILE} or config.json), and --overwrite "
+                                  "replaces only a model directory; move it aside or choose another output")
 
 
 @contextlib.contextmanager

@@ -62,7 +62,7 @@ def switched_on() -> bool:
     forced = _switch.get()
     if forced is not None:
         return forced
-    value = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    value = os.environ.get(ENV_SWITCH, "").strip().lower() or "1"  # unset or empty: on
     if value not in _ON | _OFF:
         raise ValueError(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r}: expected one of 1, 0, true, false, yes, no, on, off")
     return value in _ON

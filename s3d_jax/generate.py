@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from s3d_jax import compile_cache, options
+from s3d_jax import compile_cache, few_rows, options
 from s3d_jax.api import DecodeOutput, decode, load, stream
 
 
@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         decode_options = options.DecodeOptions.from_args(args)  # checked before the model loads
+        few_rows.switched_on()  # and so is S3D_JAX_FEW_ROW_KERNEL
         compile_cache.enable()
         model = load(**options.load_arguments(args))
         chunks = stream(model, args.prompt, decode_options, chunk_iterations=args.chunk)
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
     except ValueError as e:  # ConfigError and CheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     return 0
 
 

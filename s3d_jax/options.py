@@ -15,6 +15,7 @@ DEFAULT_GAMMA = 4
 # "Drafting only where the text is predictable"); where verifying a few tokens costs about one step,
 # as on a GPU, 0 drafts at every iteration.
 DEFAULT_MIN_CERTAINTY = 0.9
+MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: sampling divides float32 logits by it
 SEED_LIMIT = 2**32  # jax.random.key keeps only a seed's low 32 bits (without jax_enable_x64): 2**32 would equal 0
 
 
@@ -58,6 +59,8 @@ class DecodeOptions:
         set_("temperature", check_float("temperature", self.temperature))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be at most {MAX_TEMPERATURE:g}, the largest float32, got {self.temperature:g}")
         set_("top_p", check_float("top_p", self.top_p))
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -65,6 +65,7 @@ DECODE_CASES = [
     ([1, 2], dict(temperature=float("nan")), ValueError, r"temperature must be finite, got nan"),
     ([1, 2], dict(temperature=float("inf")), ValueError, r"temperature must be finite, got inf"),
     ([1, 2], dict(temperature=-0.5), ValueError, r"temperature must be >= 0"),
+    ([1, 2], dict(temperature=1e300), ValueError, r"temperature must be at most 3.40282e\+38, the largest float32, got 1e\+300"),
     ([1, 2], dict(temperature="0.7"), TypeError, r"temperature must be a number, got '0.7'"),
     ([1, 2], dict(top_p=float("nan")), ValueError, r"top_p must be finite"),
     ([1, 2], dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\]"),
@@ -100,6 +101,7 @@ DECODE_CASES = [
     ([True, 2], {}, TypeError, r"token ids must be ints, got True"),
     (np.array([1.0, 2.0]), {}, TypeError, r"token ids must be ints, got an array of float64"),
     ([1, 2**70], {}, ValueError, r"token id 1180591620717411303424 is outside the vocabulary"),
+    ([1, 95], {}, ValueError, r"token id 95 is the mask token, which only the draft's input may hold"),
     ([1, [2, 3]], {}, ValueError, r"ragged row"),
     ([[[1, 2], [3, 4]]], {}, ValueError, r"each prompt must be a flat list of token ids"),
     (np.zeros((0, 3), np.int32), {}, ValueError, r"empty batch: give at least one prompt"),
@@ -317,6 +319,7 @@ ARGPARSE_CASES = [  # refused by argparse: exit 2, "error: argument ..." on stde
 CLI_CASES = [  # refused by the project: exit 2 and "error: ..." on stderr
     (["--temperature", "nan"], r"error: temperature must be finite, got nan"),
     (["--temperature", "-1"], r"error: temperature must be >= 0"),
+    (["--temperature", "1e300"], r"error: temperature must be at most 3.40282e\+38, the largest float32"),
     (["--max-new-tokens", "0"], r"error: max_new_tokens must be >= 1, got 0"),
     (["--top-p", "0"], r"error: top_p must be in \(0, 1\]"),
     (["--seed", "-3"], r"error: seed must be >= 0, got -3"),
@@ -359,6 +362,13 @@ def test_generate_cli_errors(argv, message, model_dir, capsys, no_compile_cache)
         assert generate.main(argv) == 2
     err = capsys.readouterr().err
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "of"])
+def test_generate_cli_names_a_bad_kernel_switch_before_loading(value, capsys, monkeypatch, no_compile_cache):
+    monkeypatch.setenv("S3D_JAX_FEW_ROW_KERNEL", value)
+    assert generate.main(["--prompt", "hi", "--model", "/nonexistent/s3d"]) == 2  # the switch is named first
+    assert f"error: S3D_JAX_FEW_ROW_KERNEL='{value}': expected one of 1, 0, true, false" in capsys.readouterr().err
 
 
 def test_generate_cli_chunk_0_exits_instead_of_hanging(tmp_path):
@@ -416,3 +426,12 @@ def test_a_cache_path_that_is_a_file_is_named_before_any_work(tmp_path, monkeypa
     result = subprocess.run([sys.executable, "-m", "s3d_jax.generate", "--prompt", "hi"], capture_output=True, text=True,
                             env={**os.environ, "S3D_JAX_CACHE": str(tmp_path / "file")}, timeout=120)
     assert result.returncode == 2 and "is a file, not a directory" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_padding_rows_are_not_prompt_tokens(model):
+    """A converted model's vocabulary is padded past its tokenizer (`output_vocab_size`): ids there are
+    rows no token owns, refused with the tokenizer's size."""
+    config = model.config.replace(output_vocab_size=90)
+    with pytest.raises(ValueError, match=r"token id 92 is outside the vocabulary \[0, 90\)"):
+        s3d_jax.decode(model.params, [1, 92], config=config, max_new_tokens=2)
+    assert s3d_jax.decode(model.params, [1, 89], config=config, max_new_tokens=2).tokens

@@ -83,7 +83,7 @@ QUIET = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarni
 
 @QUIET
 @pytest.mark.parametrize("corrupt", [corrupt_data, corrupt_metadata], ids=["truncated-array-file", "deleted-metadata"])
-@pytest.mark.needs("sharegpt")
+@pytest.mark.needs("bundled_model", "mt_bench")
 def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(run_copy, base_run, capfd, corrupt):
     corrupt(run_copy / "checkpoints" / "4")
     corrupt_files = listing(run_copy / "checkpoints" / "4")
@@ -101,7 +101,7 @@ def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(run_copy, base_
 
 
 @QUIET
-@pytest.mark.needs("sharegpt")
+@pytest.mark.needs("bundled_model", "mt_bench")
 def test_no_readable_checkpoint_stops_and_moves_nothing(run_copy, capfd):
     for step in (2, 4):
         truncate_largest(run_copy / "checkpoints" / str(step))
@@ -125,7 +125,7 @@ def test_no_readable_checkpoint_stops_and_moves_nothing(run_copy, capfd):
     ],
     ids=["objective", "head-and-kl", "data-stream", "rows-per-step", "lora", "fewer-steps"],
 )
-@pytest.mark.needs("sharegpt")
+@pytest.mark.needs("bundled_model", "mt_bench")
 def test_resume_under_other_settings_is_refused_naming_each_field(run_copy, changes, fragments):
     before = listing(run_copy)
     with pytest.raises(CheckpointError) as caught:
@@ -137,7 +137,7 @@ def test_resume_under_other_settings_is_refused_naming_each_field(run_copy, chan
     assert listing(run_copy) == before, "a refused resume writes nothing"
 
 
-@pytest.mark.needs("sharegpt")
+@pytest.mark.needs("bundled_model", "mt_bench")
 def test_metrics_never_repeat_a_step_after_resume(run_copy, capfd):
     shutil.rmtree(run_copy / "checkpoints" / "4")  # killed after logging step 4 but before its checkpoint landed
     with (run_copy / "metrics.jsonl").open("a") as f:
@@ -226,6 +226,7 @@ def test_convert_into_an_existing_directory_loses_nothing_without_overwrite(mode
     (out / "notes.txt").write_text("mine")
     (out / "params" / "keep.bin").write_bytes(b"\x00" * 10)
     (out / "tokenizer.json").write_text("{}")  # a tokenizer from an earlier model
+    (out / "s3d_config.json").write_text("{}")  # and its config: a model directory, which --overwrite may replace
     before = listing(out)
     assert convert_main([str(models.hf), str(out), "--quiet"]) == 2
     assert "is not empty; pass --overwrite" in capsys.readouterr().err
@@ -286,15 +287,35 @@ BROKEN_CONFIG = "def get_config(:\n"
 
 @pytest.fixture
 def places(models, tmp_path):
-    """Paths the bad inputs name: {model}, {hf}, {hf_parent}, {full} (a non-empty directory), {file}, {tmp}."""
+    """Paths the bad inputs name: {model}, {hf}, {hf_parent}, {full} (a non-empty directory), {code} (someone's
+    source code), {file}, {tmp}, {gguf} (cut off)."""
     full = tmp_path / "full"
     full.mkdir()
     (full / "notes.txt").write_text("mine")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "main.py").write_text("print('mine')\n")
     (tmp_path / "file.txt").write_text("not a model")
     (tmp_path / "broken.py").write_text(BROKEN_CONFIG)
     (tmp_path / "lines.jsonl").write_text("not json\nnor this\n")
     return SimpleNamespace(model=models.model, hf=models.hf, hf_parent=models.hf.parent, full=full, file=tmp_path / "file.txt",
-                           tmp=tmp_path, broken=tmp_path / "broken.py", lines=tmp_path / "lines.jsonl")
+                           tmp=tmp_path, broken=tmp_path / "broken.py", lines=tmp_path / "lines.jsonl", gguf=truncated_gguf(tmp_path),
+                           code=tmp_path / "code")
+
+
+def truncated_gguf(where: Path) -> Path:
+    """A llama GGUF cut off in its tensor data, as an interrupted download or copy leaves it."""
+    import gguf
+
+    path = where / "cut.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.ones((64, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.truncate(path, path.stat().st_size - 4096)
+    return path
 
 
 CLI_CASES = [
@@ -302,6 +323,9 @@ CLI_CASES = [
     ("convert", ["{hf}", "{full}"], 2, "is not empty; pass --overwrite"),
     ("convert", ["{hf}", "{file}"], 2, "exists and is not a directory"),
     ("convert", ["{hf}", "{file}", "--overwrite"], 2, "exists and is not a directory"),
+    ("convert", ["{hf}", "{code}", "--overwrite"], 2, "it holds no model (s3d_config.json or config.json)"),
+    ("convert", ["{model}", "{code}", "--to-hf", "--overwrite"], 2, "it holds no model"),
+    ("convert", ["{gguf}", "{tmp}/out"], 2, "is truncated: its header describes"),
     ("convert", ["{hf}", "{hf}", "--overwrite"], 2, "would replace the source"),
     ("convert", ["{hf}/config.json", "{hf}", "--overwrite"], 2, "would replace the source"),
     ("convert", ["{hf}", "{hf_parent}", "--overwrite"], 2, "would replace the source"),
@@ -334,6 +358,7 @@ CLI_CASES = [
     ("train", ["--config.data.path={tmp}/nothing.jsonl"], 2, "nothing.jsonl does not exist"),
     ("train", ["--config.data.path={tmp}"], 2, "is a directory"),
     ("train", ["--workdir={file}"], 2, "exists and is not a directory"),
+    ("train", ["--workdir=/proc/s3d_jax_run"], 2, "--workdir /proc/s3d_jax_run cannot be written"),  # a read-only filesystem
 ]
 
 
@@ -358,7 +383,7 @@ def test_bad_cli_input(places, capsys, monkeypatch, command, arguments, code, fr
     assert "error: " in err and fragment in err, err
     assert "Traceback" not in err
     assert not (places.tmp / "run").exists() and not (places.tmp / "out").exists(), "refused before any work"
-    assert listing(places.full) == {"notes.txt": 4}
+    assert listing(places.full) == {"notes.txt": 4} and listing(places.code) == {"main.py": 14}
 
 
 API_CASES = [
@@ -368,12 +393,16 @@ API_CASES = [
     ("export_hf into a non-empty directory", lambda p: export_hf(s3d_jax.load(p.model), p.full), CheckpointError, "is not empty"),
     ("convert onto its own source", lambda p: convert(p.hf, p.hf, overwrite=True), CheckpointError, "would replace the source"),
     ("convert into a file", lambda p: convert(p.hf, p.file, overwrite=True), CheckpointError, "is not a directory"),
+    ("convert over a directory that holds no model", lambda p: convert(p.hf, p.code, overwrite=True), CheckpointError,
+     "it holds no model"),
+    ("convert a truncated GGUF", lambda p: convert(p.gguf, p.tmp / "out"), CheckpointError, "is truncated: its header describes"),
+    ("train into a read-only workdir", lambda p: train(tiny_config(), Path("/proc/s3d_jax_run")), ConfigError, "cannot be written"),
     ("train with keep_checkpoints 0", lambda p: train(tiny_config(**{"train.keep_checkpoints": 0}), p.tmp / "run"), ConfigError,
      "config.train.keep_checkpoints must be an integer >= 1"),
     ("train with warmup_steps -1", lambda p: train(tiny_config(**{"train.warmup_steps": -1}), p.tmp / "run"), ConfigError,
      "config.train.warmup_steps"),
     pytest.param("train with a skip range outside the model", lambda p: train(tiny_config(**{"s3d.skip": (2, 9)}), p.tmp / "run"),
-                 ConfigError, "skip range [2, 9] is outside the model", marks=pytest.mark.needs("sharegpt")),
+                 ConfigError, "skip range [2, 9] is outside the model", marks=pytest.mark.needs("bundled_model", "mt_bench")),
     ("jsonl with no whole line", lambda p: data.read_records(p.lines), DataError, "is not JSON lines"),
     ("a directory as the data file", lambda p: data.read_records(p.tmp), DataError, "is a directory"),
     ("a data file of another kind", lambda p: data.read_records(p.file), DataError, "unsupported data file"),
@@ -386,3 +415,4 @@ def test_bad_api_input(places, what, call, exception, fragment):
         call(places)
     assert fragment in str(caught.value)
     assert listing(places.full) == {"notes.txt": 4} and (places.hf / "config.json").exists()
+

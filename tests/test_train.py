@@ -66,14 +66,14 @@ def trained(tmp_path_factory):
     return cfg, workdir, out
 
 
-@pytest.mark.needs("sharegpt")
+@pytest.mark.needs("bundled_model", "mt_bench")
 def test_loss_falls_when_overfitting_one_batch(trained):
     _, workdir, _ = trained
     losses = [r["draft_loss"] for r in records(workdir, "train")]
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-@pytest.mark.needs("sharegpt")
+@pytest.mark.needs("bundled_model", "mt_bench")
 def test_frozen_layers_are_bit_identical(trained):
     cfg, _, out = trained
     before = leaves(load_base_model(cfg).params)
@@ -87,7 +87,7 @@ def test_frozen_layers_are_bit_identical(trained):
         assert not np.array_equal(before[k], after[k]), f"{k} should have trained"
 
 
-@pytest.mark.needs("sharegpt")
+@pytest.mark.needs("bundled_model", "mt_bench")
 def test_trained_model_decodes_with_its_recorded_defaults(trained):
     cfg, _, out = trained
     model = s3d_jax.load(out)
@@ -98,7 +98,7 @@ def test_trained_model_decodes_with_its_recorded_defaults(trained):
     assert spec.tokens == plain.tokens
 
 
-@pytest.mark.needs("sharegpt")
+@pytest.mark.needs("bundled_model", "mt_bench")
 def test_resume_after_kill_equals_uninterrupted_run(tmp_path):
     overrides = {"train.steps": 24, "train.checkpoint_every": 4, "train.eval_every": 1000, "data.max_conversations": 60}
     reference = train(tiny_config(**overrides), tmp_path / "reference", progress=False)
@@ -128,7 +128,7 @@ def test_resume_after_kill_equals_uninterrupted_run(tmp_path):
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-@pytest.mark.needs("sharegpt")
+@pytest.mark.needs("bundled_model", "mt_bench")
 def test_draft_only_lora_leaves_the_verifier_bit_identical(tmp_path):
     cfg = tiny_config(**{"s3d.lora_rank": 4, "train.steps": 4, "train.lr": 1e-2})
     out = train(cfg, tmp_path, progress=False)
@@ -191,7 +191,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.needs("bundled_model", "sharegpt")
+@pytest.mark.needs("bundled_model", "mt_bench")
 def test_sharded_step_equals_unsharded():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     command = [sys.executable, "-c", SHARDED_STEP, str(Path(__file__).parent)]
@@ -218,7 +218,8 @@ def run_cli(*args, timeout=300):
     [
         (["--config.train.no_such_field=1"], "no_such_field"),
         (["--config.train.lr=fast"], "lr"),
-        pytest.param(["--config.s3d.skip=(2,9)"], "skip range [2, 9] is outside the model", marks=pytest.mark.needs("sharegpt")),
+        pytest.param(["--config.s3d.skip=(2,9)"], "skip range [2, 9] is outside the model",
+                     marks=pytest.mark.needs("bundled_model", "mt_bench")),
         (["--config.data.path=/nonexistent.json"], "does not exist"),
     ],
 )
@@ -237,7 +238,7 @@ def test_data_without_usable_conversations(tmp_path):
         train(tiny_config(**{"data.path": str(bad)}), tmp_path / "run", progress=False)
 
 
-@pytest.mark.needs("sharegpt")
+@pytest.mark.needs("bundled_model", "mt_bench")
 def test_checkpoint_of_another_model_is_refused(tmp_path):
     train(tiny_config(**{"train.steps": 2, "train.checkpoint_every": 2, "data.max_conversations": 20}), tmp_path, progress=False)
     with pytest.raises(checkpoint.CheckpointError, match="another model"):

@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {args.out} is as it was (the output is written whole or not at all)", file=sys.stderr)
+        return 130
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(config)))
     print(
         f"converted {config.architecture}: {config.num_layers} layers, {params / 1e6:.1f}M params "

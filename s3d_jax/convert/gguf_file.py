@@ -61,6 +61,9 @@ def read_gguf(path: Path) -> HFSource:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # bad magic, truncated data: numpy and struct errors.
+        expected, found = _expected_size(path), path.stat().st_size
+        if expected is not None and found < expected:
+            raise CheckpointError(f"{path} is truncated: its header describes {expected} bytes, the file has {found}") from None
         raise CheckpointError(f"cannot read {path} as a GGUF file: {type(e).__name__}: {e}") from None
 
     def field(key: str, default=None):
@@ -169,3 +172,62 @@ def _tokenizer(path: Path):
     except Exception as e:  # the model converts without one; token ids still work.
         warnings.warn(f"no tokenizer from {path}: {type(e).__name__}: {e}", stacklevel=2)
         return None
+
+
+def _expected_size(path: Path) -> int | None:
+    """The bytes a GGUF file's header says it holds (header, metadata, tensor infos, aligned data),
+    read from the header alone; None where the header itself is cut off or not GGUF."""
+    import struct
+
+    import gguf
+
+    scalar = {gguf.GGUFValueType.UINT8: 1, gguf.GGUFValueType.INT8: 1, gguf.GGUFValueType.UINT16: 2, gguf.GGUFValueType.INT16: 2,
+              gguf.GGUFValueType.UINT32: 4, gguf.GGUFValueType.INT32: 4, gguf.GGUFValueType.FLOAT32: 4, gguf.GGUFValueType.BOOL: 1,
+              gguf.GGUFValueType.UINT64: 8, gguf.GGUFValueType.INT64: 8, gguf.GGUFValueType.FLOAT64: 8}
+    data = path.read_bytes()  # only on a file that failed to read, to name what is missing
+    at = 0
+
+    def take(fmt: str):
+        nonlocal at
+        values = struct.unpack_from("<" + fmt, data, at)
+        at += struct.calcsize("<" + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def string() -> bytes:
+        nonlocal at
+        n = take("Q")
+        at += n
+        return data[at - n: at]
+
+    def skip_value(kind: int):
+        nonlocal at
+        if kind == gguf.GGUFValueType.STRING:
+            string()
+        elif kind == gguf.GGUFValueType.ARRAY:
+            item, count = take("I"), take("Q")
+            for _ in range(count):
+                skip_value(item)
+        else:
+            at += scalar[gguf.GGUFValueType(kind)]
+
+    try:
+        if take("4s") != b"GGUF":
+            return None
+        _, tensors, kvs = take("I"), take("Q"), take("Q")
+        alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+        for _ in range(kvs):
+            key, kind = string(), take("I")
+            if key == b"general.alignment" and kind == gguf.GGUFValueType.UINT32:
+                alignment = take("I")
+            else:
+                skip_value(kind)
+        end = 0
+        for _ in range(tensors):
+            string()
+            dims = take(f"{take('I')}Q")
+            dims = dims if isinstance(dims, tuple) else (dims,)
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(take("I"))]
+            end = max(end, take("Q") + int(np.prod(dims)) // block * size)
+    except (struct.error, ValueError, KeyError):
+        return None
+    return at + (-at % alignment) + end

@@ -49,6 +49,9 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # ConfigError, CheckpointError and DataError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: run the same command again to resume from the last checkpoint", file=sys.stderr)
+        return 130
     print(f"trained drafter written to {out}")
     return 0
 

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -28,6 +29,17 @@ VOCAB_CONVERSATIONS = 4000  # of s3d.draft_vocab_data, for the draft vocabulary'
 DRAFTER_FILE = "drafter.safetensors"  # what a draft-only LoRA run exports: `s3d_jax.load(base, drafter=...)`
 
 
+def check_writable(workdir: Path) -> None:
+    """Refuses a workdir that cannot be written (a read-only filesystem, no permission), by writing a
+    scratch file in it or in its nearest existing parent, before the model or the data are read."""
+    existing = next(p for p in (workdir, *workdir.parents) if p.exists())
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--workdir {workdir} cannot be written: {existing}: {e.strerror or e}") from None
+
+
 def train(cfg: ml_collections.ConfigDict, workdir: str | Path, progress: bool = True) -> Path:
     """Runs (or resumes) training; returns the exported model directory, or for a draft-only LoRA run the
     drafter file. What can be checked without loading anything (the config, the workdir, the data file,
@@ -36,6 +48,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, progress: bool = 
     workdir = Path(workdir).absolute()
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"--workdir {workdir} exists and is not a directory")
+    check_writable(workdir)
     data.check_file(cfg.data.path or data.default_sharegpt_path())
     mesh = make_mesh(cfg.mesh)
     check_settings(cfg, mesh.shape["data"])
