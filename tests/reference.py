@@ -91,3 +91,18 @@ def numpy_logits(model: Model, tokens, layers=None, frozen_prefix: int = 0):
     x = _rms(x, params["final_norm"]["scale"], c.rms_norm_eps)
     head = embed_DV if c.tie_embeddings else params["lm_head"]
     return x @ head
+
+
+def one_tensor_gguf(path, arch: str, tensor: np.ndarray):
+    """A GGUF file of architecture `arch` holding one block count and `token_embd.weight`: enough for
+    the reader to reach the checks of what a file holds."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

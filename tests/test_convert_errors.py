@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hf_models import REPO, random_hf_model  # skips this file where torch is not installed
+from reference import one_tensor_gguf
 
 import s3d_jax
 from s3d_jax import checkpoint
@@ -160,16 +161,7 @@ def test_corrupt_gguf(tmp_path):
 
 
 def test_non_llama_gguf(tmp_path):
-    import gguf
-
-    path = tmp_path / "gpt2.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = one_tensor_gguf(tmp_path / "gpt2.gguf", "gpt2", np.zeros((4, 8), np.float32))
     with pytest.raises(ConfigError, match="GGUF architecture 'gpt2'"):
         convert(path, tmp_path / "out", progress=False)
 

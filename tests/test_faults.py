@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from reference import tiny_model
+from reference import one_tensor_gguf, tiny_model
 from safetensors.numpy import load_file, save_file
 from test_train import ROOT, leaves, records, tiny_config
 
@@ -304,16 +304,7 @@ def places(models, tmp_path):
 
 def truncated_gguf(where: Path) -> Path:
     """A llama GGUF cut off in its tensor data, as an interrupted download or copy leaves it."""
-    import gguf
-
-    path = where / "cut.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.ones((64, 32), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = one_tensor_gguf(where / "cut.gguf", "llama", np.ones((64, 32), np.float32))
     os.truncate(path, path.stat().st_size - 4096)
     return path
 
