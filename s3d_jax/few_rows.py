@@ -3,7 +3,7 @@
 XLA's CPU dot reads a weight at its streaming bandwidth for one row, but for 2 to 16 rows it packs
 the weight first, so verifying 5 tokens cost about 2x a one-token step. `few_rows.cc`, an XLA FFI
 handler, reads the weight once for all the rows, which is what speculative decoding needs from a
-CPU. It is built with the machine's C++ compiler on first use (`-march=native`, a log line says so
+CPU. It is built with the machine's C++ compiler on first use (`-march=native`; a line on stderr says so
 and how long it took) into `<cache root>/kernels/`, keyed on everything the binary depends on, and
 checked against its recorded digest before every load: a truncated or foreign file is rebuilt.
 
@@ -25,11 +25,11 @@ import contextvars
 import ctypes
 import functools
 import hashlib
-import logging
 import math
 import os
 import platform
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -53,7 +53,6 @@ DEFAULT_SPIN_MICROSECONDS = 50
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++20", "-shared", "-fPIC"]
 _ON, _OFF = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
-log = logging.getLogger(__name__)
 _switch: contextvars.ContextVar[bool | None] = contextvars.ContextVar("few_row_kernel", default=None)
 
 
@@ -119,6 +118,11 @@ def _library_path() -> Path:
     return cache_root() / "kernels" / f"few_rows-{key}.so"
 
 
+def _notice(text: str) -> None:
+    """A line on stderr for what happens once per machine, like a progress bar: not a warning."""
+    print(f"s3d_jax: {text}", file=sys.stderr, flush=True)
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -149,7 +153,7 @@ def _build(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     command = [*_compiler(), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
-    log.warning("s3d_jax: building the few-row CPU kernel for this machine (once), into %s", path.parent)
+    _notice(f"building the few-row CPU kernel for this machine (once), into {path.parent}")
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
@@ -159,7 +163,7 @@ def _build(path: Path) -> None:
     _write_durably(digest_tmp, _digest(tmp).encode())
     tmp.replace(path)
     digest_tmp.replace(_digest_path(path))
-    log.warning("s3d_jax: built the few-row CPU kernel in %.1f s", time.perf_counter() - start)
+    _notice(f"built the few-row CPU kernel in {time.perf_counter() - start:.1f} s")
 
 
 def available() -> bool:
@@ -188,7 +192,7 @@ def _registered() -> bool:
         path = _library_path()
         if not _intact(path):
             if path.exists():
-                log.warning("s3d_jax: %s is not the file its build wrote (truncated, replaced, or without its digest); rebuilding it", path)
+                _notice(f"{path} is not the file its build wrote (truncated, replaced, or without its digest); rebuilding it")
             _build(path)
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_load(path)), platform="cpu")
     except (OSError, RuntimeError, AttributeError, ValueError) as error:
