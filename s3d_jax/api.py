@@ -62,7 +62,7 @@ def token_array(token_ids, config: ModelConfig) -> np.ndarray:
                 raise TypeError(f"token ids must be ints, got {t!r}")
     elif ids.dtype.kind not in "iu":
         raise TypeError(f"token ids must be ints, got an array of {ids.dtype}")
-    vocab = config.output_vocab_size or config.vocab_size  # past it: the rows a conversion adds (mask, padding)
+    vocab = config.produced_vocab_size  # past it: the rows a conversion adds (mask, padding)
     outside = ids[(ids < 0) | (ids >= vocab)]
     if outside.size:
         raise ValueError(f"token id {outside.flat[0]} is outside the vocabulary [0, {vocab})")
@@ -74,7 +74,7 @@ def token_array(token_ids, config: ModelConfig) -> np.ndarray:
 @functools.partial(jax.jit, static_argnames="config")
 def _full_logits(params, config: ModelConfig, token_ids_BT):
     hidden, _ = full_pass(params, config, token_ids_BT)
-    return lm_logits(params, config, hidden)[..., : config.output_vocab_size or config.vocab_size]
+    return lm_logits(params, config, hidden)[..., : config.produced_vocab_size]
 
 
 def logits(model: Model, token_ids) -> jax.Array:
@@ -92,7 +92,7 @@ def logits(model: Model, token_ids) -> jax.Array:
             f"{token_ids.shape[1]} tokens exceed the model's context of {model.config.max_position_embeddings} positions"
         )
     out = _full_logits(model.params, model.config, jnp.asarray(token_ids, jnp.int32))
-    chex.assert_shape(out, (*token_ids.shape, model.config.output_vocab_size or model.config.vocab_size))
+    chex.assert_shape(out, (*token_ids.shape, model.config.produced_vocab_size))
     return out
 
 
@@ -261,7 +261,7 @@ def plan_for(config: ModelConfig, options: DecodeOptions) -> Plan:
     # The drafter's default tree is for greedy S3D (its size was chosen for greedy acceptance); sampling asks explicitly.
     default_tree = config.draft_tree if options.method == "s3d" and sampling.greedy else 0
     tree = default_tree if options.tree is None else options.tree
-    draftable = config.draft_vocab_size or (config.output_vocab_size or config.vocab_size) - (config.mask_token_id is not None)
+    draftable = config.draft_vocab_size or config.produced_vocab_size - (config.mask_token_id is not None)
     if tree > draftable:
         raise ValueError(f"tree {tree} has more nodes than the {draftable} tokens the draft can propose at each depth")
     if options.lookup and not tree:

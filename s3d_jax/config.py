@@ -105,9 +105,9 @@ class ModelConfig:
         for name in ("draft_lora_rank", "draft_tree"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"config field {name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.draft_vocab_size <= (self.output_vocab_size or self.vocab_size):
+        if not 0 <= self.draft_vocab_size <= self.produced_vocab_size:
             raise ConfigError(
-                f"config field draft_vocab_size must be in [0, {self.output_vocab_size or self.vocab_size}] (the tokens the "
+                f"config field draft_vocab_size must be in [0, {self.produced_vocab_size}] (the tokens the "
                 f"model can produce), got {self.draft_vocab_size}"
             )
         if self.num_heads % self.num_kv_heads:
@@ -143,6 +143,12 @@ class ModelConfig:
         rounds their operands to TF32 (10 mantissa bits), which a pass of several tokens and a step
         of one round differently, enough to change greedy tokens. A CPU computes float32 either way."""
         return "highest" if self.dtype == "float32" else "default"
+
+    @property
+    def produced_vocab_size(self) -> int:
+        """The tokens the model produces and reads: its tokenizer's, without the rows a conversion
+        appends or pads with (`output_vocab_size`)."""
+        return self.output_vocab_size or self.vocab_size
 
     @property
     def all_layers(self) -> tuple[int, ...]:

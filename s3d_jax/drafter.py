@@ -76,7 +76,7 @@ def count_ranking(tokens, loss_mask, config: ModelConfig) -> np.ndarray:
     """Every producible token id (not the mask, not padding) by how often it is a training target,
     most frequent first; ties by id. Counted once from the training rows."""
     counts = np.bincount(np.asarray(tokens)[np.asarray(loss_mask, bool)].ravel(), minlength=config.vocab_size)
-    producible = np.arange(config.output_vocab_size or config.vocab_size)
+    producible = np.arange(config.produced_vocab_size)
     producible = producible[producible != config.mask_token_id]
     return producible[np.argsort(-counts[producible], kind="stable")].astype(np.int32)
 
@@ -88,7 +88,7 @@ def with_draft_vocab(params, config: ModelConfig, ranking: np.ndarray | None, si
         return params, config.replace(draft_vocab_size=0)
     if ranking is None:
         raise DrafterError(f"a reduced draft head of {size} tokens needs a token ranking, and this drafter has none")
-    producible = config.output_vocab_size or config.vocab_size
+    producible = config.produced_vocab_size
     if size > len(ranking):
         raise DrafterError(f"a reduced draft head of {size} tokens is larger than the {len(ranking)} tokens the ranking holds "
                            f"(the model produces {producible})")

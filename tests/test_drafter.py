@@ -236,7 +236,7 @@ def test_loading_in_another_dtype_casts_while_reading(tmp_path, dtype):
     from s3d_jax.model import cast_params
 
     base = tiny_model()
-    ranking = np.array([i for i in range(base.config.output_vocab_size or base.config.vocab_size) if i != base.config.mask_token_id])
+    ranking = np.array([i for i in range(base.config.produced_vocab_size) if i != base.config.mask_token_id])
     params, config = drafter.with_draft_vocab(base.params, base.config, ranking, 16)
     checkpoint.save(tmp_path / "model", params, config)
     loaded = checkpoint.load(tmp_path / "model", dtype)

@@ -344,7 +344,7 @@ def test_mask_row_tokenizer_and_chat_template(family, tmp_path):
     model = s3d_jax.load(convert_cli(tmp_path / "hf", tmp_path / "out"))
     expected_mask = tokenizer.convert_tokens_to_ids("<unused0>") if family == "gemma2" else vocab - 1
     assert model.config.mask_token_id == expected_mask
-    assert (model.config.vocab_size, model.config.output_vocab_size or model.config.vocab_size) == (-(-vocab // 128) * 128, vocab)
+    assert (model.config.vocab_size, model.config.produced_vocab_size) == (-(-vocab // 128) * 128, vocab)
     messages = [{"role": "user", "content": "hi w5 w7"}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     assert model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] == ids

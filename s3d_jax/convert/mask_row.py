@@ -49,7 +49,7 @@ def add_mask_row(
         params = {**params, "embed": np.concatenate([embed, mean], axis=1)}
         if not config.tie_embeddings:
             params["lm_head"] = _pad(params["lm_head"], 1)
-        config = config.replace(vocab_size=config.vocab_size + 1, output_vocab_size=config.output_vocab_size or config.vocab_size)
+        config = config.replace(vocab_size=config.vocab_size + 1, output_vocab_size=config.produced_vocab_size)
     return params, config.replace(mask_token_id=mask_id)
 
 
@@ -57,14 +57,14 @@ def pad_vocab(params: dict, config: ModelConfig, output_vocab_size: int | None =
     """Zero rows up to a multiple of PAD_MULTIPLE; rows from `output_vocab_size` (default: the
     vocabulary before padding) on are never produced."""
     padded = -(-config.vocab_size // PAD_MULTIPLE) * PAD_MULTIPLE
-    output = output_vocab_size or config.output_vocab_size or config.vocab_size
+    output = output_vocab_size or config.produced_vocab_size
     params = {**params, **{k: _pad(params[k], padded - config.vocab_size) for k in VOCAB_TABLES if k in params}}
     return params, config.replace(vocab_size=padded, output_vocab_size=None if output == padded else output)
 
 
 def hf_vocab_rows(config: ModelConfig) -> int:
     """The rows an exported model keeps: every row that can be produced, and the mask row."""
-    rows = config.output_vocab_size or config.vocab_size
+    rows = config.produced_vocab_size
     return max(rows, config.mask_token_id + 1) if config.mask_token_id is not None else rows
 
 
