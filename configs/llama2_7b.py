@@ -4,16 +4,15 @@
     python -m s3d_jax.train --config configs/llama2_7b.py --config.model_path=checkpoints/llama2_7b
 """
 
+from s3d_jax.shapes import SHAPES
 from s3d_jax.train.config import default_config, paper_recipe
 
 
 def get_config():
     c = paper_recipe(default_config())
     c.model_path = "checkpoints/llama2_7b"
-    # The public config.json of meta-llama/Llama-2-7b-hf, plus the appended mask row (id 32000).
-    c.model.update(architecture="llama", vocab_size=32001, hidden_size=4096, intermediate_size=11008, num_layers=32,
-                   num_heads=32, num_kv_heads=32, head_dim=128, rope_theta=10000.0, rms_norm_eps=1e-5,
-                   max_position_embeddings=4096, tie_embeddings=False, mask_token_id=32000)
+    # The shape (s3d_jax.shapes) of meta-llama/Llama-2-7b-hf, plus the appended mask row (id 32000).
+    c.model.update(**SHAPES["llama2_7b"])
     c.s3d.skip = (8, 23)
     c.s3d.gamma = 4
     return c

@@ -5,19 +5,16 @@
     python -m s3d_jax.train --config configs/llama3_8b.py --dry-run      # no weights needed
 """
 
+from s3d_jax.shapes import SHAPES
 from s3d_jax.train.config import default_config, paper_recipe
 
 
 def get_config():
     c = paper_recipe(default_config())
     c.model_path = "checkpoints/llama3_8b"
-    # The public config.json of meta-llama/Llama-3.1-8B-Instruct (the dry run uses these). The mask
+    # The shape (s3d_jax.shapes) of meta-llama/Llama-3.1-8B-Instruct (the dry run uses these). The mask
     # token takes the row of <|reserved_special_token_0|> (id 128002), which the model never produces.
-    c.model.update(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                   num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
-                   max_position_embeddings=131072, tie_embeddings=False, mask_token_id=128002,
-                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                     original_max_position_embeddings=8192))
+    c.model.update(**SHAPES["llama3_8b"])
     c.s3d.skip = (8, 23)
     c.s3d.gamma = 4
     return c

@@ -5,18 +5,17 @@
     python -m s3d_jax.train --config configs/qwen3_8b.py --dry-run      # no weights needed
 """
 
+from s3d_jax.shapes import SHAPES
 from s3d_jax.train.config import default_config, paper_recipe
 
 
 def get_config():
     c = paper_recipe(default_config())
     c.model_path = "checkpoints/qwen3_8b"
-    # The public config.json of Qwen/Qwen3-8B (the dry run uses these): per-head q/k norms, no biases,
+    # The shape (s3d_jax.shapes) of Qwen/Qwen3-8B (the dry run uses these): per-head q/k norms, no biases,
     # no sliding window. The embedding is padded past the tokenizer's 151669 tokens, so the mask
     # token takes the last padding row.
-    c.model.update(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                   num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                   max_position_embeddings=40960, tie_embeddings=False, mask_token_id=151935, qk_norm=True)
+    c.model.update(**SHAPES["qwen3_8b"])
     c.s3d.skip = (9, 26)  # the middle half of 36 layers
     c.s3d.gamma = 4
     return c

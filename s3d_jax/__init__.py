@@ -14,6 +14,8 @@ _HOMES = {
     "ConfigError": "config",
     "Model": "checkpoint",
     "ModelConfig": "config",
+    "calibrate": "calibration",
+    "random_model": "shapes",
 }
 
 __all__ = sorted(_HOMES)

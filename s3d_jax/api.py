@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import bundled, checkpoint, decoding
+from s3d_jax import bundled, calibration, checkpoint, decoding
 from s3d_jax import drafter as drafter_lib
 from s3d_jax.checkpoint import Model
 from s3d_jax.config import ConfigError, ModelConfig, validate_skip
@@ -22,6 +22,7 @@ from s3d_jax.model import full_pass, lm_logits
 from s3d_jax.options import DEFAULT_GAMMA, DEFAULT_MIN_CERTAINTY, DecodeOptions, check_int, default_skip
 from s3d_jax.sampling import Sampling
 from s3d_jax.speculative import Plan
+from s3d_jax.speedup import NEVER, Policy, choose_policy
 
 BUNDLED_DRAFTER = "bundled"
 
@@ -119,6 +120,7 @@ class DecodeStats:
     branch_only: list[int] = dataclasses.field(default_factory=list)  # per row: iterations that verified that branch alone
     plain_steps: list[int] = dataclasses.field(default_factory=list)  # per row: plain steps taken instead of drafting (min_certainty)
     min_certainty: float = 0.0
+    policy: str = ""  # the calibrated drafting policy and the pass costs behind it, where one chose the defaults
 
     @property
     def tokens_per_iteration(self) -> float:
@@ -135,8 +137,11 @@ class DecodeStats:
         return sum(self.generated_tokens) / self.decode_seconds
 
     def summary(self) -> str:
-        """One line for a person: speed, what kinds of iteration ran, and acceptance at the depths that
-        some draft reached (a depth no draft reached has nothing to report)."""
+        """One line for a person: speed, what kinds of iteration ran, acceptance at the depths that some
+        draft reached (a depth no draft reached has nothing to report), and the calibrated policy if one chose."""
+        return "; ".join([self._iterations()] + [self.policy] * bool(self.policy))
+
+    def _iterations(self) -> str:
         method = f"{self.method}, tree of {self.tree}{' + context branch' if self.lookup else ''}" if self.tree else self.method
         text = (f"{method}: {sum(self.generated_tokens)} tokens in {self.decode_seconds:.2f} s, {self.tokens_per_second:.1f} tokens/s "
                 f"(compiling took {self.compile_seconds:.1f} s)")
@@ -145,7 +150,9 @@ class DecodeStats:
         speculative, branch, plain = sum(self.iterations), sum(self.branch_only), sum(self.plain_steps)
         kinds = [f"{speculative - branch} drafted"] + [f"{branch} the context branch alone"] * bool(branch)
         if plain:
-            kinds.append(f"{plain} plain steps, where the text was less predictable than {self.min_certainty:g}")
+            where = ("drafting never pays here" if self.min_certainty == NEVER
+                     else f"the text was less predictable than {self.min_certainty:g}")
+            kinds.append(f"{plain} plain steps, where {where}")
         text += f"; {speculative + plain} iterations: " + ", ".join(kinds)
         if not speculative:
             return text + "; no draft was verified"
@@ -243,8 +250,26 @@ def options_from(options: DecodeOptions | None, overrides: dict) -> DecodeOption
     return options.replace(**overrides) if overrides else options
 
 
-def plan_for(config: ModelConfig, options: DecodeOptions) -> Plan:
-    """The static plan: method, γ and skip (options, else the checkpoint's drafter, else defaults)."""
+def drafting_policy(model: Model, options: DecodeOptions) -> Policy | None:
+    """The calibrated policy for what greedy S3D left open (tree, lookup and min_certainty all unset,
+    γ the drafter's): chosen from this machine's pass costs for the model (`calibrate`, measured once)
+    and the drafter's acceptance profile. None where a field is given, the drafter has no profile,
+    or `S3D_JAX_CALIBRATE=0`: the fixed defaults apply."""
+    open_ = options.tree is None and options.lookup is None and options.min_certainty is None
+    drafter_gamma = options.gamma is None or options.gamma == model.config.draft_gamma
+    if not (options.method == "s3d" and options.temperature == 0 and open_ and drafter_gamma and model.profile):
+        return None
+    costs = calibration.cached_or_measured(model)
+    if costs is None:
+        return None
+    return choose_policy(costs.in_steps(sorted(model.profile), branch_slots=costs.gamma), model.profile)
+
+
+def plan_for(config: ModelConfig, options: DecodeOptions, policy: Policy | None = None) -> Plan:
+    """The static plan: method, γ and skip (options, else the checkpoint's drafter, else defaults);
+    a calibrated `policy` sets what the options left open."""
+    if policy is not None and policy.plain:
+        return plan_for(config, options.replace(method="ar"))
     if options.top_k > config.vocab_size:
         raise ValueError(f"top_k {options.top_k} exceeds the vocabulary of {config.vocab_size}")
     sampling = Sampling(options.temperature, options.top_k, options.top_p)
@@ -268,10 +293,14 @@ def plan_for(config: ModelConfig, options: DecodeOptions) -> Plan:
         raise ValueError("lookup verifies a context branch through a token tree's slots, and this decode drafts the argmax chain: "
                          "give tree=N")
     lookup = bool(tree) if options.lookup is None else options.lookup
+    if policy is not None:
+        tree, lookup = policy.tree, policy.lookup
     if options.min_certainty and not tree:
         raise ValueError("min_certainty chooses between a drafted token tree and a plain step, and this decode drafts the argmax chain: "
                          "give tree=N")
     min_certainty = (DEFAULT_MIN_CERTAINTY if tree and sampling.greedy else 0.0) if options.min_certainty is None else options.min_certainty
+    if policy is not None:
+        min_certainty = policy.min_certainty
     return Plan.make(config, options.method, gamma, skip, sampling, tree, lookup, min_certainty)
 
 
@@ -283,7 +312,8 @@ def prepare(
     options = options_from(options, overrides)
     model = resolve(params, config)
     cfg = model.config
-    plan = plan_for(cfg, options)
+    policy = drafting_policy(model, options)
+    plan = plan_for(cfg, options, policy)
     max_new_tokens = options.max_new_tokens
     eos_token_ids = options.eos_token_ids
     if eos_token_ids is None:
@@ -317,6 +347,7 @@ def prepare(
     for b, row in enumerate(ids):
         prompts[b, : len(row)] = row
     run = decoding.Run(model.params, cfg, plan, prompts, lengths, max_new_tokens, tuple(sorted(eos_token_ids)), options.seed, max_len)
+    run.policy = "" if policy is None else policy.describe()
     return model, run, batched
 
 
@@ -342,6 +373,7 @@ def _output(model: Model, run: decoding.Run, state, batched: bool, seconds: floa
         branch_only=branch_only.tolist(),
         plain_steps=plain_steps.tolist(),
         min_certainty=run.plan.min_certainty,
+        policy=run.policy,
     )
     text = None
     if model.tokenizer is not None:

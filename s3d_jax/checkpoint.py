@@ -46,6 +46,7 @@ class Model:
     params: Any
     config: ModelConfig
     tokenizer: Any = None
+    profile: dict | None = None  # the applied drafter's acceptance profile (`drafter.Drafter.profile`)
 
 
 def save(path: str | os.PathLike, params, config: ModelConfig, tokenizer=None, overwrite: bool = False) -> Path:

@@ -251,7 +251,14 @@ class Run:
     seed: int
     max_len: int
     compile_seconds: float = 0.0
+    policy: str = ""  # the calibrated policy that chose the plan's open fields (`api.drafting_policy`), if any
     _executables: tuple | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def few_row_passes(self) -> bool:
+        """Whether the loop's passes are products of a few rows (batch x the tokens a pass runs per
+        row), which the decode loop's CPU options suit; a large batch's are not (docs/cpu.md)."""
+        return len(self.prompts) * (self.plan.block + 1) <= few_rows.MAX_ROWS
 
     def _prefill_args(self):
         return (
@@ -273,7 +280,7 @@ class Run:
         # The loop state's shapes, read off the executable rather than traced a second time.
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prefill_exe.out_info)
         stop = jax.ShapeDtypeStruct((), jnp.int32)
-        advance_exe, advance_seconds = compiled(_advance_jit, self.params, state, stop, few_row_passes=True, **statics)
+        advance_exe, advance_seconds = compiled(_advance_jit, self.params, state, stop, few_row_passes=self.few_row_passes, **statics)
         self._executables = (prefill_exe, advance_exe)
         self.compile_seconds = prefill_seconds + advance_seconds
 

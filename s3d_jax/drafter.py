@@ -6,7 +6,9 @@
       lora/<path>/{a,b}             draft-only LoRA adapters of the draft layers
       vocab_ranking       [R] int32 the tokens by frequency in the training targets, most frequent first
       metadata (JSON)     format, skip, gamma, lora_rank, draft_vocab_size, tree (the default node budget, 0: the
-                          chain), base model identity, tokenizer hash
+                          chain), base model identity, tokenizer hash, and optionally the acceptance profile:
+                          what trees of each size accepted at each position of held-out replies, from
+                          which `decode` chooses its drafting policy (`s3d_jax.predict --profile`)
 
 The verifier never reads the mask row (the mask token is never produced) nor the adapters (only draft
 passes apply them), so a model with a drafter applied verifies exactly as the bare base model: S3D's
@@ -56,6 +58,7 @@ class Drafter:
     base: dict  # BASE_FIELDS and the checksum
     tokenizer_hash: str | None
     tree: int = 0  # the default token-tree size of S3D decoding (0: the argmax chain)
+    profile: dict | None = None  # {tree size: per-reply outcomes} (`speedup.choose_policy`), or None
 
 
 def base_identity(params, config: ModelConfig) -> dict:
@@ -126,6 +129,9 @@ def save(path: str | os.PathLike, drafter: Drafter) -> Path:
     meta = {"format": FORMAT, "skip": list(drafter.skip), "gamma": drafter.gamma, "lora_rank": drafter.lora_rank,
             "draft_vocab_size": drafter.draft_vocab_size, "tree": drafter.tree, "base": drafter.base,
             "tokenizer": drafter.tokenizer_hash}
+    if drafter.profile is not None:
+        meta["profile"] = {str(size): [{k: np.asarray(v).tolist() for k, v in reply.items()} for reply in replies]
+                           for size, replies in drafter.profile.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     save_safetensors({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata={"s3d_drafter": json.dumps(meta)})
@@ -152,11 +158,18 @@ def load_file(path: str | os.PathLike) -> Drafter:
         lora = {tuple(k.split("/")[1:]): v for k, v in tensors.items() if k.startswith("lora/")}
         return Drafter(tuple(meta["skip"]), int(meta["gamma"]), int(meta["lora_rank"]), tensors["mask_row"], lora,
                        tensors.get("vocab_ranking"), int(meta["draft_vocab_size"]), meta["base"], meta["tokenizer"],
-                       int(meta.get("tree", 0)))  # files written before trees recorded none
+                       int(meta.get("tree", 0)), read_profile(meta.get("profile")))  # older files record no tree or profile
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, DrafterError):
             raise
         raise DrafterError(f"{path} is not a valid drafter file: {type(e).__name__}: {e}") from None
+
+
+def read_profile(stored) -> dict | None:
+    """The acceptance profile as `speedup.replay` reads it: {tree size: [{name: array}]}."""
+    if stored is None:
+        return None
+    return {int(size): [{k: np.asarray(v) for k, v in reply.items()} for reply in replies] for size, replies in stored.items()}
 
 
 def check_base(drafter: Drafter, model: Model, where: str) -> None:
@@ -204,4 +217,4 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
     size = drafter.draft_vocab_size if draft_vocab_size is None else check_int("draft_vocab_size", draft_vocab_size, 0)
     params, config = with_draft_vocab(traverse_util.unflatten_dict(flat), config, drafter.ranking, size)
     check_params(params, config)
-    return Model(params, config, model.tokenizer)
+    return Model(params, config, model.tokenizer, drafter.profile)

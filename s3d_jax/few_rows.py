@@ -59,11 +59,14 @@ _switch: contextvars.ContextVar[bool | None] = contextvars.ContextVar("few_row_k
 def switched_on() -> bool:
     """The switch: `switch(on)` while tracing under it, else `S3D_JAX_FEW_ROW_KERNEL` (default on)."""
     forced = _switch.get()
-    if forced is not None:
-        return forced
-    value = os.environ.get(ENV_SWITCH, "").strip().lower() or "1"  # unset or empty: on
+    return env_switch(ENV_SWITCH) if forced is None else forced
+
+
+def env_switch(name: str) -> bool:
+    """An on/off setting from the environment: unset or empty is on."""
+    value = os.environ.get(name, "").strip().lower() or "1"
     if value not in _ON | _OFF:
-        raise ValueError(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r}: expected one of 1, 0, true, false, yes, no, on, off")
+        raise ValueError(f"{name}={os.environ[name]!r}: expected one of 1, 0, true, false, yes, no, on, off")
     return value in _ON
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from s3d_jax import compile_cache, few_rows, options
+from s3d_jax import calibration, compile_cache, few_rows, options
 from s3d_jax.api import DecodeOutput, decode, load, stream
 
 
@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         decode_options = options.DecodeOptions.from_args(args)  # checked before the model loads
-        few_rows.switched_on()  # and so is S3D_JAX_FEW_ROW_KERNEL
+        few_rows.switched_on()  # and so are S3D_JAX_FEW_ROW_KERNEL
+        calibration.switched_on()  # and S3D_JAX_CALIBRATE
         compile_cache.enable()
         model = load(**options.load_arguments(args))
         chunks = stream(model, args.prompt, decode_options, chunk_iterations=args.chunk)

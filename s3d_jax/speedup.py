@@ -34,6 +34,8 @@ for each `min_certainty` over those records, with each kind's measured pass cost
 from __future__ import annotations
 
 import collections
+import dataclasses
+import math
 
 import numpy as np
 
@@ -145,15 +147,16 @@ def tree_analysis(ranks: list[np.ndarray], sizes) -> dict:
             "top_k_acceptance_per_depth": top_k, "tree_e": {int(n): crossed(n) for n in sizes}}
 
 
-def replay(outcomes: list[dict], min_certainty: float | None, costs: dict) -> dict:
+def replay(outcomes: list[dict], min_certainty: float | None, costs: dict, lookup: bool = True) -> dict:
     """The decode loop's choice at each iteration, replayed along the replies (batch 1): the tokens after
     each reply's first, their cost in plain steps, and how many iterations of each kind
-    (`drafted`, `branch`, `plain`). `min_certainty` None is the oracle."""
+    (`drafted`, `branch`, `plain`). `min_certainty` None is the oracle, `NEVER` never drafts; without
+    `lookup` the context branch never runs."""
     tokens, cost, kinds = 0, 0.0, collections.Counter()
     for reply in outcomes:
         n, end = 0, len(reply["certainty"])
         while n < end:
-            if reply["branch"][n]:
+            if lookup and reply["branch"][n]:
                 kind, emitted = "branch", reply["branch_k"][n] + 1
             else:
                 pays = reply["drafted"][n] + 1 > costs["drafted"] if min_certainty is None else reply["certainty"][n] >= min_certainty
@@ -162,3 +165,60 @@ def replay(outcomes: list[dict], min_certainty: float | None, costs: dict) -> di
             n, tokens, cost = n + emitted, tokens + emitted, cost + costs[kind]
             kinds[kind] += 1
     return {"tokens": tokens, "cost": cost, "kinds": {kind: kinds[kind] for kind in ("drafted", "branch", "plain")}}
+
+
+NEVER = math.inf  # a `min_certainty` no certainty reaches: never draft
+GATES = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, NEVER)  # the policy's candidate `min_certainty`
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """How S3D decodes where the caller left it open: the tree, the gate and the context branch, and
+    what the replay predicted for them (tokens per plain step's time) from `costs` (plain steps)."""
+
+    tree: int
+    min_certainty: float  # NEVER: no iteration drafts
+    lookup: bool
+    predicted_speedup: float
+    costs: dict
+
+    @property
+    def drafts(self) -> bool:
+        return self.min_certainty != NEVER
+
+    @property
+    def plain(self) -> bool:
+        """Nothing speculative pays: decode plainly."""
+        return not self.drafts and not self.lookup
+
+    def describe(self) -> str:
+        if self.plain:
+            what = "plain steps (no drafted tree or context branch repays its passes here)"
+        else:
+            gate = "never drafts" if not self.drafts else "drafts everywhere" if self.min_certainty == 0 else \
+                f"drafts where the certainty is at least {self.min_certainty:g}"
+            what = f"tree of {self.tree}, {gate}{', context branch on' if self.lookup else ''}"
+        costs = ", ".join(f"{kind} {cost:.2f}" for kind, cost in self.costs.items())
+        return f"calibrated policy: {what}; predicted {self.predicted_speedup:.2f}x (pass costs in plain steps: {costs})"
+
+
+def choose_policy(costs: dict, profile: dict) -> Policy:
+    """The tree size, gate and context branch whose replay over the drafter's measured outcomes emits
+    the most tokens per unit of plain-step time. `costs`: {"drafted": {N: steps}, "branch": {N: steps}}
+    (`calibration.PassCosts.in_steps`); `profile`: {N: outcomes of a tree of N} (`iteration_outcomes`).
+    Plain decoding (1.0) is the baseline; on equal predictions the policy that drafts less wins (a gate
+    that the profile never saw open must not be taken for a free one)."""
+    best = Policy(0, NEVER, False, 1.0, {"plain": 1.0})
+    for size in sorted(profile):
+        if size not in costs["drafted"]:
+            continue
+        kinds = {"plain": 1.0, "drafted": costs["drafted"][size], "branch": costs["branch"][size]}
+        for lookup in (False, True):
+            for gate in reversed(GATES):
+                if gate == NEVER and not lookup:
+                    continue  # that is plain decoding, the baseline
+                replayed = replay(profile[size], gate, kinds, lookup)
+                speedup = replayed["tokens"] / max(replayed["cost"], 1e-9)
+                if speedup > best.predicted_speedup * (1 + 1e-9):
+                    best = Policy(size, gate, lookup, speedup, kinds)
+    return best

@@ -31,7 +31,7 @@ import jax
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from s3d_jax import api, bundled, compile_cache
+from s3d_jax import api, bundled, calibration, compile_cache
 from s3d_jax.bench import harness, llama_cpp_peer, timing
 from s3d_jax.bench.methods import decode_prompts, memory_now_mib, peak_memory_mib
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
@@ -71,12 +71,12 @@ def run_jax(request: dict) -> dict:
               "s3d_tree": cfg.draft_tree}  # the drafter's default, which the methods' S3D row uses
 
     result["bandwidth_gb_s"] = timing.bandwidth_gb_s(param_bytes(model.params))
-    passes = {"plain step (1 token)": timing.verify_ms(model, 1, context=args.context, repeats=args.repeats)}
+    passes = {"plain step (1 token)": calibration.verify_ms(model, 1, context=args.context, repeats=args.repeats)}
     full_bytes = timing.pass_bytes(model.params, cfg, cfg.all_layers, args.context)
     floor_bytes = {"plain step (1 token)": full_bytes}
     for g in tqdm(args.gammas, desc="pass timings", disable=args.quiet):
-        passes[f"s3d draft, gamma={g}"] = timing.draft_ms(model, skip, g, context=args.context, repeats=args.repeats)
-        passes[f"verify, {g + 1} tokens"] = timing.verify_ms(model, g + 1, context=args.context, repeats=args.repeats)
+        passes[f"s3d draft, gamma={g}"] = calibration.draft_ms(model, skip, g, context=args.context, repeats=args.repeats)
+        passes[f"verify, {g + 1} tokens"] = calibration.verify_ms(model, g + 1, context=args.context, repeats=args.repeats)
         floor_bytes[f"s3d draft, gamma={g}"] = timing.pass_bytes(model.params, cfg, cfg.draft_layers(skip), args.context, draft=True)
         floor_bytes[f"verify, {g + 1} tokens"] = full_bytes
     result["pass_ms"] = passes
@@ -137,7 +137,7 @@ def tree_points(model, args, size: int, skip, decode: DecodeOptions, step_ms: fl
 
 def tree_point(model, args, size: int, lookup: bool, skip, decode: DecodeOptions, step_ms: float, plain: dict, plain_outputs: list) -> dict:
     timed = dict(context=args.context, repeats=args.repeats)
-    verify = timing.tree_verify_ms(model, size, args.gamma, **timed) if size else timing.verify_ms(model, args.gamma + 1, **timed)
+    verify = calibration.tree_verify_ms(model, size, args.gamma, **timed) if size else calibration.verify_ms(model, args.gamma + 1, **timed)
     decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method="s3d", tree=size, lookup=lookup,
                                                                                       min_certainty=decode.min_certainty if size else None))
     e = tokens_per_iteration(decoded.histogram)
@@ -150,7 +150,7 @@ def tree_point(model, args, size: int, lookup: bool, skip, decode: DecodeOptions
 def draft_vocab_point(args, size: int, skip, decode: DecodeOptions, step_ms: float, plain: dict, plain_outputs: list) -> dict:
     """The drafter with a draft vocabulary of `size` tokens (0: all): its draft pass and its S3D decoding."""
     model = api.load(**{**load_arguments(args), "draft_vocab_size": size})
-    ms = timing.draft_ms(model, skip, args.gamma, context=args.context, repeats=args.repeats)
+    ms = calibration.draft_ms(model, skip, args.gamma, context=args.context, repeats=args.repeats)
     decoded = decode_prompts(model, chat_prompts(args.prompts), decode.replace(method="s3d"))
     return {"draft_vocab": size, "draft_ms": ms, "draft_vs_step": ms / step_ms, "tokens_per_s": decoded.tokens_per_second,
             "vs_plain": decoded.tokens_per_second / plain["tokens_per_s"], "tokens_per_iteration": tokens_per_iteration(decoded.histogram),

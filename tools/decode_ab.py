@@ -5,6 +5,7 @@ the process kept busy while decoding, and whether each output equals plain greed
     python tools/decode_ab.py                                  # the bundled model, `make demo`'s prompt
     S3D_JAX_FEW_ROW_SPIN_US=200 python tools/decode_ab.py      # the kernel's helpers spinning longer
     PYTHONPATH=/path/to/other/checkout python tools/decode_ab.py --tag before
+    python tools/decode_ab.py --per-iteration 100            # ms per loop iteration, EOS ignored: the loop's own cost
 
 Never run it beside another heavy process: the ratios are only as steady as the machine.
 """
@@ -15,8 +16,12 @@ import argparse
 import os
 import statistics
 import sys
+import time
+
+import jax
 
 import s3d_jax
+from s3d_jax import api
 from s3d_jax import options as options_lib
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, and explain how it works."
@@ -29,9 +34,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--tag", default="", help="a label printed at the start of each line")
+    p.add_argument("--per-iteration", type=int, default=0, metavar="N",
+                   help="instead: time N loop iterations of each kind from the same start, EOS ignored, and report ms per iteration")
     options_lib.add_model_arguments(p)
     args = p.parse_args(argv)
     model = s3d_jax.load(**options_lib.load_arguments(args))
+    if args.per_iteration:
+        return per_iteration(model, args)
     decode = {kind: (lambda kw=kw: s3d_jax.decode(model, args.prompt, chat=True, max_new_tokens=args.max_new_tokens, **kw))
               for kind, kw in KINDS.items()}
     for run in decode.values():  # compile and warm up
@@ -50,6 +59,28 @@ def main(argv=None) -> int:
         speed = statistics.median(speeds[kind])
         print(f"{args.tag} {kind:20s} {speed:6.1f} tokens/s  {speed / plain:.3f}x plain  "
               f"{statistics.median(cores[kind]):.2f} cores busy  identical to plain: {tokens[kind] == tokens['plain']}".strip())
+    return 0
+
+
+def per_iteration(model, args) -> int:
+    """Milliseconds per iteration of each kind's compiled loop over the same N iterations after a warm-up
+    of 5, rounds alternating: what an iteration costs, apart from how many tokens it emits."""
+    runs = {}
+    for kind, kw in KINDS.items():
+        _, runs[kind], _ = api.prepare(model, args.prompt, chat=True, max_new_tokens=args.per_iteration * 8, eos_token_ids=(), **kw)
+        runs[kind].compile()
+    times = {kind: [] for kind in KINDS}
+    for _ in range(args.repeats):
+        for kind, run in runs.items():
+            state = run.advance(run.start(), 5)
+            jax.block_until_ready(state.tokens)
+            start = time.perf_counter()
+            jax.block_until_ready(run.advance(state, 5 + args.per_iteration).tokens)
+            times[kind].append((time.perf_counter() - start) / args.per_iteration * 1e3)
+    plain = statistics.median(times["plain"])
+    for kind in KINDS:
+        ms = statistics.median(times[kind])
+        print(f"{args.tag} {kind:20s} {ms:6.2f} ms per iteration  {ms / plain:.3f}x plain's".strip())
     return 0
 
 

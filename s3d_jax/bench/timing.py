@@ -1,6 +1,7 @@
-"""The cost of one pass, timed inside one jitted loop, and its memory floor: the bytes the pass must
-read divided by the machine's streaming bandwidth, measured by a probe. Imports JAX: only JAX
-processes import it."""
+"""A pass's memory floor: the bytes it must read divided by the machine's streaming bandwidth,
+measured by a probe; the pass timings
+themselves are `s3d_jax.calibration`'s.
+Imports JAX: only JAX processes import it."""
 
 from __future__ import annotations
 
@@ -9,65 +10,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from s3d_jax import few_rows, tree
-from s3d_jax.cache import KVCache
-from s3d_jax.decoding import compile_ahead
-from s3d_jax.speculative import Plan, draft_s3d, verify
-
-
-def pass_ms(model, pass_fn, context: int = 256, repeats: int = 20) -> float:
-    """Milliseconds of one `pass_fn(params, cache, x_n)` over a cache filled to `context` positions,
-    timed inside one jitted loop (no dispatch overhead). The input token changes every iteration,
-    so XLA cannot hoist the pass out of the loop."""
-    cache = KVCache.zeros(model.config, 1, max(512, context + 16)).replace(lengths=jnp.asarray([context], jnp.int32))
-
-    def loop(params, cache, few_row_kernel):
-        def body(i, total):
-            return total + pass_fn(params, cache, jnp.full((1,), i % 1000, jnp.int32)).sum()
-
-        with few_rows.switch(few_row_kernel):
-            return jax.lax.fori_loop(0, repeats, body, jnp.zeros((), jnp.float32))
-
-    # Compiled as the decode loop is; not kept in its cache, since `loop` closes over `pass_fn`.
-    fn, _ = compile_ahead(jax.jit(loop, static_argnames="few_row_kernel"), model.params, cache, few_row_passes=True)
-    jax.block_until_ready(fn(model.params, cache))  # warm up
-    start = time.perf_counter()
-    jax.block_until_ready(fn(model.params, cache))
-    return (time.perf_counter() - start) / repeats * 1e3
-
-
-def verify_ms(model, tokens: int, **timing) -> float:
-    """A full-model pass over `tokens` tokens (1 is a plain decoding step)."""
-    drafts = jnp.zeros((1, tokens - 1), jnp.int32)
-    return pass_ms(model, lambda p, c, x_n: verify(p, model.config, c, x_n, drafts)[0], **timing)
-
-
-def draft_ms(model, skip, gamma: int, **timing) -> float:
-    """One S3D draft pass of `gamma` tokens through the layers outside `skip`, its head also scoring a
-    context as long as the cache, as in decoding."""
-    plan = Plan.make(model.config, "s3d", gamma, skip)
-
-    def draft_pass(p, c, x_n):
-        context = (x_n[:, None] + jnp.arange(c.max_len)) % model.config.vocab_size  # distinct ids, as a real context gathers
-        return draft_s3d(p, model.config, plan, c, x_n, jax.random.key(0), context)[1]
-
-    return pass_ms(model, draft_pass, **timing)
-
-
-def tree_verify_ms(model, size: int, gamma: int, **timing) -> float:
-    """Building a tree of `size` nodes from γ draft distributions, and its full-model verify pass."""
-    config = model.config
-    logits = jax.random.normal(jax.random.key(0), (1, gamma, config.vocab_size))
-    if config.mask_token_id is not None:
-        logits = logits.at[..., config.mask_token_id].set(-jnp.inf)
-
-    def build_and_verify(p, c, x_n):
-        # Shifted by x_n (softmax ignores a shift), so XLA cannot fold the tree's top-k into a constant.
-        nodes = tree.build(x_n, logits + x_n[:, None, None].astype(jnp.float32), size)
-        return tree.verify(p, config, c, nodes, gamma)[0]
-
-    return pass_ms(model, build_and_verify, **timing)
 
 
 def bandwidth_gb_s(nbytes: int, repeats: int = 10) -> float:

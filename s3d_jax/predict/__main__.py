@@ -5,9 +5,12 @@
     python -m s3d_jax.predict --acceptance measured.json --assume-constant --model PATH
     python -m s3d_jax.predict --drafters s3d_jax/drafters/SmolLM2-135M-Instruct.safetensors --trees 8 16 32 64 [--sweep]
     python -m s3d_jax.predict --drafters s3d_jax/drafters/SmolLM2-135M-Instruct.safetensors --gates 0 0.5 0.9 1 [--sweep]
+    python -m s3d_jax.predict --drafters s3d_jax/drafters/SmolLM2-135M-Instruct.safetensors --profile 16
+    python -m s3d_jax.predict --shape llama3_1b --dtype bfloat16     # pass costs of a named shape here, before any weights
 
 The model and its fit live in `s3d_jax.speedup`; the measurements in `replies.py`, the tree and
-gate analyses in `analyses.py`, tables and plots in `report.py`.
+gate analyses in `analyses.py`, the drafter's acceptance profile in `profile.py`, the costs of named
+shapes in `shapes.py`, tables and plots in `report.py`.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ import numpy as np
 
 from s3d_jax import api
 from s3d_jax import drafter as drafter_lib
-from s3d_jax.bench.timing import verify_ms
+from s3d_jax.calibration import verify_ms
+from s3d_jax.config import DTYPES
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
 from s3d_jax.options import DecodeOptions
+from s3d_jax.predict import profile
 from s3d_jax.predict.analyses import predict_gates, predict_trees
 from s3d_jax.predict.replies import measure
 from s3d_jax.predict.report import gate_table, plot, plot_trees, tree_table
+from s3d_jax.predict.shapes import shape_costs
+from s3d_jax.shapes import SHAPES
 from s3d_jax.speedup import draft_ratio, fit_depth_discount, fit_first_acceptance, interpolated, predict_speedup, symmetric_skips
 
 
@@ -47,8 +54,21 @@ def main(argv=None) -> int:
                    help="also predict token trees of these sizes for each drafter (at its own gamma), and recommend one")
     p.add_argument("--gates", type=float, nargs="*", default=[], metavar="P",
                    help="also replay these min_certainty values for each drafter's default tree (and an oracle)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="measure the drafter file's acceptance profile on N held-out prompts and write it into the file")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="print the pass costs here of random weights of this named shape, "
+                   "and the speedup predicted at the shipped drafter's acceptance")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="with --shape: the weights' dtype")
     p.add_argument("--out", default="results/predict")
     args = p.parse_args(argv)
+
+    if args.shape:
+        return shape_costs(args.shape, args.dtype)
+    if args.profile:
+        if len(args.drafters) != 1 or not args.drafters[0].endswith(drafter_lib.SUFFIX):
+            p.error("--profile writes into one drafter file: give it as --drafters FILE")
+        profile.write(args.drafters[0], args.profile, args.max_new_tokens, args.model)
+        return 0
 
     if not args.drafters and not args.acceptance:
         p.error("give --drafters to measure, or --acceptance with measured values")

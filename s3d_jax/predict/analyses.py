@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from s3d_jax import api
-from s3d_jax.bench.timing import draft_ms, tree_verify_ms, verify_ms
+from s3d_jax.calibration import draft_ms, tree_verify_ms, verify_ms
 from s3d_jax.metrics import tokens_per_iteration
 from s3d_jax.options import DecodeOptions
 from s3d_jax.predict.replies import draft_ranks, greedy_replies, iteration_outcomes, measure

@@ -1,0 +1,193 @@
+"""What each kind of pass costs on this machine for a loaded model, measured once and cached.
+
+    s3d_jax.calibrate(model)            # measure now (and replace the cached costs)
+    S3D_JAX_CALIBRATE=0                 # never measure: decode keeps its fixed defaults
+
+Costs differ by machine, dtype and model: on a 2-core CPU a verify of 5 tokens costs about 1.5 plain
+steps, on a GPU running a large model about one. `decode`'s drafting defaults (tree size, whether and
+where to draft) come from these costs and the drafter's measured acceptance (`speedup.choose_policy`;
+docs/design.md, "Drafting chosen from measured costs"). A calibration times a plain step, a verify of
+γ+1 tokens, one S3D draft pass of γ and the verify of a token tree of each size in `TREE_SIZES`,
+each inside one jitted loop (no dispatch in the timing). The result is written to
+`<cache root>/calibration/<key>.json`, keyed on the machine (processor, usable cores, backend and
+device, jax and jaxlib, the few-row kernel's switch) and the model's config (shapes, dtype and the
+drafter's skip, γ and draft head): a change of any of them measures again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+from s3d_jax import few_rows, tree
+from s3d_jax.cache import KVCache
+from s3d_jax.checkpoint import Model
+from s3d_jax.decoding import compile_ahead
+from s3d_jax.paths import cache_root
+from s3d_jax.speculative import Plan, draft_s3d, verify
+
+ENV_SWITCH = "S3D_JAX_CALIBRATE"
+TREE_SIZES = (4, 8, 16, 24)  # the policy's candidate trees are 4, 8 and 16; 24 bounds their branch-alone passes (N + γ slots)
+CONTEXT = 256  # cache positions filled while timing: a typical chat turn
+REPEATS = 10
+
+
+def pass_ms(model, pass_fn, context: int = 256, repeats: int = 20) -> float:
+    """Milliseconds of one `pass_fn(params, cache, x_n)` over a cache filled to `context` positions,
+    timed inside one jitted loop (no dispatch overhead). The input token changes every iteration,
+    so XLA cannot hoist the pass out of the loop."""
+    cache = KVCache.zeros(model.config, 1, max(512, context + 16)).replace(lengths=jnp.asarray([context], jnp.int32))
+
+    def loop(params, cache, few_row_kernel):
+        def body(i, total):
+            return total + pass_fn(params, cache, jnp.full((1,), i % 1000, jnp.int32)).sum()
+
+        with few_rows.switch(few_row_kernel):
+            return jax.lax.fori_loop(0, repeats, body, jnp.zeros((), jnp.float32))
+
+    # Compiled as the decode loop is; not kept in its cache, since `loop` closes over `pass_fn`.
+    fn, _ = compile_ahead(jax.jit(loop, static_argnames="few_row_kernel"), model.params, cache, few_row_passes=True)
+    jax.block_until_ready(fn(model.params, cache))  # warm up
+    start = time.perf_counter()
+    jax.block_until_ready(fn(model.params, cache))
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def verify_ms(model, tokens: int, **timing) -> float:
+    """A full-model pass over `tokens` tokens (1 is a plain decoding step)."""
+    drafts = jnp.zeros((1, tokens - 1), jnp.int32)
+    return pass_ms(model, lambda p, c, x_n: verify(p, model.config, c, x_n, drafts)[0], **timing)
+
+
+def draft_ms(model, skip, gamma: int, **timing) -> float:
+    """One S3D draft pass of `gamma` tokens through the layers outside `skip`, its head also scoring a
+    context as long as the cache, as in decoding."""
+    plan = Plan.make(model.config, "s3d", gamma, skip)
+
+    def draft_pass(p, c, x_n):
+        context = (x_n[:, None] + jnp.arange(c.max_len)) % model.config.vocab_size  # distinct ids, as a real context gathers
+        return draft_s3d(p, model.config, plan, c, x_n, jax.random.key(0), context)[1]
+
+    return pass_ms(model, draft_pass, **timing)
+
+
+def tree_verify_ms(model, size: int, gamma: int, **timing) -> float:
+    """Building a tree of `size` nodes from γ draft distributions, and its full-model verify pass."""
+    config = model.config
+    logits = jax.random.normal(jax.random.key(0), (1, gamma, config.vocab_size))
+    if config.mask_token_id is not None:
+        logits = logits.at[..., config.mask_token_id].set(-jnp.inf)
+
+    def build_and_verify(p, c, x_n):
+        # Shifted by x_n (softmax ignores a shift), so XLA cannot fold the tree's top-k into a constant.
+        nodes = tree.build(x_n, logits + x_n[:, None, None].astype(jnp.float32), size)
+        return tree.verify(p, config, c, nodes, gamma)[0]
+
+    return pass_ms(model, build_and_verify, **timing)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassCosts:
+    """Milliseconds of each pass on this machine, for one model: `step` (one token through the full
+    model), `verify` (γ+1 tokens), `draft` (one S3D pass of γ), `trees[N]` (build and verify a tree of N
+    nodes; an N the calibration did not time is interpolated by rows), and the seconds it took."""
+
+    step: float
+    verify: float
+    draft: float
+    trees: dict
+    gamma: int
+    seconds: float
+    machine: str
+
+    def tree(self, nodes: int) -> float:
+        sizes = sorted(self.trees)
+        points = {0: self.step, **{n: self.trees[n] for n in sizes}}
+        return float(np.interp(nodes, sorted(points), [points[n] for n in sorted(points)]))
+
+    def in_steps(self, sizes, branch_slots: int) -> dict:
+        """The policy's costs in plain steps: a drafted tree of each size, and the branch verified alone
+        through that tree's slots (N + `branch_slots`)."""
+        return {"drafted": {n: (self.draft + self.tree(n)) / self.step for n in sizes},
+                "branch": {n: self.tree(n + branch_slots) / self.step for n in sizes}}
+
+    def summary(self) -> str:
+        trees = ", ".join(f"tree {n} {ms / self.step:.2f}" for n, ms in sorted(self.trees.items()))
+        return (f"step {self.step:.1f} ms; in steps: verify of {self.gamma + 1} {self.verify / self.step:.2f}, "
+                f"draft of {self.gamma} {self.draft / self.step:.2f}, {trees}")
+
+
+def switched_on() -> bool:
+    return few_rows.env_switch(ENV_SWITCH)
+
+
+def machine() -> str:
+    """What pass costs depend on besides the model: processor, usable cores, backend and device, versions."""
+    device = jax.devices()[0]
+    processor = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            processor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), processor)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"{processor}, {cores} cores; {device.platform} {device.device_kind} x{jax.device_count()}; "
+            f"jax {jax.__version__}, jaxlib {jaxlib.__version__}; few-row kernel {'on' if few_rows.switched_on() else 'off'}")
+
+
+def cache_file(model: Model):
+    c = model.config
+    drafter = {"skip": c.draft_skip, "gamma": c.draft_gamma, "lora_rank": c.draft_lora_rank, "draft_vocab": c.draft_vocab_size}
+    key = json.dumps({"machine": machine(), "model": c.replace(draft_skip=None, draft_gamma=None, draft_lora_rank=0,
+                                                               draft_vocab_size=0, draft_tree=0).to_json(),
+                      "drafter": drafter, "sizes": TREE_SIZES, "context": CONTEXT}, sort_keys=True, default=str)
+    return cache_root() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCosts:
+    """The model's pass costs on this machine: measured now (`force`, the default), or read from the
+    cache when an earlier calibration of the same machine and model left them there."""
+    if not isinstance(model, Model):
+        raise TypeError(f"calibrate needs a Model from s3d_jax.load, got {type(model).__name__}")
+    c = model.config
+    if c.draft_skip is None or c.mask_token_id is None:
+        raise ValueError("calibration times S3D's draft pass: the model needs a mask row and a drafter (s3d_jax.load(..., drafter=...))")
+    path = cache_file(model)
+    if not force and path.is_file():
+        try:
+            fields = json.loads(path.read_text())
+            return PassCosts(**{**fields, "trees": {int(n): ms for n, ms in fields["trees"].items()}})
+        except (ValueError, TypeError, KeyError):  # a damaged file is measured again
+            pass
+    if not quiet:
+        print("s3d_jax: calibrating pass costs for this machine and model (once; S3D_JAX_CALIBRATE=0 skips) ...", file=sys.stderr)
+    start = time.perf_counter()
+    gamma = c.draft_gamma or 4
+    timed = dict(context=CONTEXT, repeats=REPEATS)
+    step = verify_ms(model, 1, **timed)
+    costs = PassCosts(step=step, verify=verify_ms(model, gamma + 1, **timed), draft=draft_ms(model, c.draft_skip, gamma, **timed),
+                      trees={n: tree_verify_ms(model, n, gamma, **timed) for n in TREE_SIZES}, gamma=gamma,
+                      seconds=0.0, machine=machine())
+    costs = dataclasses.replace(costs, seconds=time.perf_counter() - start)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(dataclasses.asdict(costs), indent=1))
+    os.replace(tmp, path)
+    if not quiet:
+        print(f"s3d_jax: calibrated in {costs.seconds:.0f} s: {costs.summary()}", file=sys.stderr)
+    return costs
+
+
+def cached_or_measured(model: Model) -> PassCosts | None:
+    """The costs decode's defaults use: cached, else measured now; None with `S3D_JAX_CALIBRATE=0`."""
+    return calibrate(model, force=False) if switched_on() else None

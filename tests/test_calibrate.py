@@ -1,0 +1,120 @@
+"""Calibration (pass costs measured once per machine and model, cached) and the drafting policy that
+`decode` takes from it where the caller left the S3D fields open."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import s3d_jax
+from s3d_jax import calibration
+from s3d_jax.calibration import PassCosts
+from s3d_jax.checkpoint import Model
+from s3d_jax.shapes import SHAPES, describe, random_model, shape_config
+from s3d_jax.speedup import NEVER
+from tests.reference import tiny_model
+
+PROMPT = [5, 17, 3, 17, 5, 17, 3, 9]
+
+
+def drafted(model: Model, profile=None) -> Model:
+    """The tiny model as a drafter would leave it: skip, γ and a default tree, with an acceptance profile."""
+    config = model.config.replace(draft_skip=(1, 1), draft_gamma=3, draft_tree=2)
+    certainty = np.random.default_rng(0).uniform(0, 1, 40)
+    if profile is None:  # trees that accept a draft everywhere, and more where x_n was certain (the larger tree more)
+        profile = {n: [{"certainty": certainty, "drafted": 1 + (certainty > 0.5) * (n // 4),
+                        "branch": np.zeros(40, int), "branch_k": np.zeros(40, int)}] for n in (4, 8)}
+    return Model(model.params, config, model.tokenizer, profile)
+
+
+def costs(step=10.0, draft=1.0, tree=10.0) -> PassCosts:
+    return PassCosts(step=step, verify=tree, draft=draft, trees={4: tree, 8: tree, 16: tree, 24: tree}, gamma=3, seconds=0.0,
+                     machine="injected")
+
+
+@pytest.fixture
+def model():
+    return drafted(tiny_model(seed=3))
+
+
+def test_calibration_measures_once_per_machine_and_model(model, monkeypatch, capsys):
+    first = calibration.calibrate(model, force=False)
+    assert first.step > 0 and first.draft > 0 and set(first.trees) == set(calibration.TREE_SIZES)
+    assert "calibrated in" in capsys.readouterr().err  # the command lines show that it ran, and how long it took
+    path = calibration.cache_file(model)
+    assert path.is_file()
+    timed = []
+    monkeypatch.setattr(calibration, "verify_ms", lambda *a, **k: timed.append(a) or 1.0)
+    assert calibration.calibrate(model, force=False) == first and not timed  # cached: nothing measured
+    again = calibration.calibrate(model)  # forced: measured again
+    assert timed and again.step == 1.0 and calibration.calibrate(model, force=False) == again
+    # Another dtype or another drafter is another calibration.
+    assert calibration.cache_file(Model(model.params, model.config.replace(dtype="bfloat16"))) != path
+    assert calibration.cache_file(Model(model.params, model.config.replace(draft_gamma=2))) != path
+    path.write_text("{not json")  # a damaged file is measured again, not an error
+    assert calibration.calibrate(model, force=False).step == 1.0
+
+
+def test_calibration_can_be_switched_off(model, monkeypatch):
+    monkeypatch.setenv(calibration.ENV_SWITCH, "0")
+    assert calibration.cached_or_measured(model) is None
+    out = s3d_jax.decode(model, PROMPT, max_new_tokens=6)
+    assert out.stats.policy == "" and out.stats.tree == 2  # the drafter's fixed defaults
+    monkeypatch.setenv(calibration.ENV_SWITCH, "maybe")
+    with pytest.raises(ValueError, match="S3D_JAX_CALIBRATE"):
+        calibration.cached_or_measured(model)
+
+
+def test_calibration_needs_a_drafter():
+    with pytest.raises(ValueError, match="drafter"):
+        calibration.calibrate(tiny_model())
+    with pytest.raises(TypeError, match="Model"):
+        calibration.calibrate("model")
+
+
+@pytest.mark.parametrize(("injected", "drafts"), [(costs(tree=10.0, draft=0.1), True), (costs(tree=200.0, draft=50.0), False)])
+def test_decode_takes_its_policy_from_the_costs(model, monkeypatch, injected, drafts):
+    monkeypatch.setattr(calibration, "cached_or_measured", lambda m: injected)
+    plain = s3d_jax.decode(model, PROMPT, method="ar", max_new_tokens=12)
+    out = s3d_jax.decode(model, PROMPT, max_new_tokens=12)
+    assert out.tokens == plain.tokens  # every policy is exact
+    assert "calibrated policy" in out.stats.policy and "calibrated policy" in out.stats.summary()
+    if drafts:  # verifying costs what a step does: draft at every iteration, with the largest profiled tree
+        assert out.stats.method == "s3d" and out.stats.tree == 8 and out.stats.min_certainty == 0.0
+        assert sum(out.stats.iterations) > 0 and sum(out.stats.plain_steps) == 0
+    else:  # no accepted count repays a drafted iteration: plain decoding
+        assert out.stats.method == "ar" and "plain steps" in out.stats.policy
+    # An explicit argument wins over the policy.
+    explicit = s3d_jax.decode(model, PROMPT, max_new_tokens=12, tree=2, min_certainty=0.0)
+    assert explicit.stats.policy == "" and explicit.stats.tree == 2 and explicit.tokens == plain.tokens
+
+
+def test_never_drafting_policy_keeps_the_branch_and_takes_plain_steps(model, monkeypatch):
+    profile = {n: [dict(r, branch=(np.arange(40) % 3 == 0).astype(int), branch_k=np.full(40, 3)) for r in rs]
+               for n, rs in model.profile.items()}
+    never = drafted(model, profile)
+    injected = dataclasses.replace(costs(tree=10.0, draft=200.0), trees={4: 12.0, 8: 14.0, 16: 16.0, 24: 18.0})
+    monkeypatch.setattr(calibration, "cached_or_measured", lambda m: injected)
+    out = s3d_jax.decode(never, PROMPT, max_new_tokens=12)
+    assert out.stats.min_certainty == NEVER and out.stats.lookup
+    assert out.tokens == s3d_jax.decode(never, PROMPT, method="ar", max_new_tokens=12).tokens
+    assert sum(out.stats.iterations) == sum(out.stats.branch_only)  # no drafted tree
+    assert "drafting never pays" in out.stats.summary() or not sum(out.stats.plain_steps)
+
+
+def test_named_shapes_have_their_published_sizes():
+    sizes = {name: describe(shape_config(name)).split(" ")[0] for name in SHAPES}
+    assert sizes["smollm2_135m"] == "135M" and sizes["qwen3_0_6b"] == "596M" and sizes["llama3_1b"] == "1.24B"
+    assert sizes["phi3_mini"] == "3.82B" and sizes["llama3_8b"] == "8.03B"
+    with pytest.raises(ValueError, match="unknown model shape"):
+        shape_config("gpt5")
+
+
+def test_random_model_of_a_named_shape_decodes(monkeypatch):
+    model = random_model("smollm2_135m", dtype="bfloat16")
+    assert model.config.dtype == "bfloat16" and model.params["embed"].dtype.name == "bfloat16"
+    out = s3d_jax.decode(model, [1, 2, 3], method="s3d", gamma=3, max_new_tokens=6)
+    assert out.tokens == s3d_jax.decode(model, [1, 2, 3], method="ar", max_new_tokens=6).tokens
+    monkeypatch.setattr("s3d_jax.shapes.available_memory_bytes", lambda: 2**30)
+    with pytest.raises(MemoryError, match="GiB"):
+        random_model("llama3_1b")

@@ -1,0 +1,73 @@
+"""The drafting policy chosen from pass costs (`speedup.choose_policy`), with costs injected: the
+choice itself, not the machine's timings."""
+
+import numpy as np
+import pytest
+
+from s3d_jax.speedup import NEVER, choose_policy, replay
+
+REACH = {4: 8, 8: 12, 16: 20}  # a tree's slots with γ = 4: N + γ
+
+
+def outcomes(size: int, seed: int = 0, replies: int = 6, length: int = 80, branch_share: float = 0.0) -> list[dict]:
+    """Synthetic per-position outcomes: the certainty of x_n, and a tree of `size` accepting more where
+    the text is more certain (and a larger tree a little more)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(replies):
+        certainty = rng.uniform(0, 1, length)
+        drafted = np.minimum(rng.binomial(4, np.clip(certainty * (0.4 + size / 80), 0, 1)), REACH[size])
+        branch = rng.uniform(0, 1, length) < branch_share
+        out.append({"certainty": certainty, "drafted": drafted, "branch": branch, "branch_k": np.where(branch, 4, 0)})
+    return out
+
+
+def profile(**kw) -> dict:
+    return {size: outcomes(size, **kw) for size in REACH}
+
+
+def costs(drafted, branch=None) -> dict:
+    drafted = drafted if isinstance(drafted, dict) else dict.fromkeys(REACH, drafted)
+    branch = branch if isinstance(branch, dict) else dict.fromkeys(REACH, drafted[4] if branch is None else branch)
+    return {"drafted": drafted, "branch": branch}
+
+
+def test_verify_as_cheap_as_a_step_drafts_at_every_iteration():
+    policy = choose_policy(costs(1.0), profile())
+    assert policy.drafts and policy.min_certainty == 0.0
+    assert policy.tree == 16  # equal costs: the tree that accepts most
+    assert policy.predicted_speedup > 1.5
+    assert "drafts everywhere" in policy.describe()
+
+
+def test_a_drafted_iteration_no_e_can_repay_never_drafts():
+    # An iteration accepts at most REACH[N] drafts, so it emits at most REACH[N] + 1 tokens.
+    unpayable = {size: REACH[size] + 1.0 for size in REACH}
+    policy = choose_policy(costs(unpayable), profile())
+    assert not policy.drafts and policy.plain
+    assert policy.predicted_speedup == 1.0
+    assert "plain steps" in policy.describe()
+    # The same with a context branch that pays: the branch stays on, the draft off.
+    policy = choose_policy(costs(unpayable, branch=1.2), profile(branch_share=0.3))
+    assert not policy.drafts and policy.lookup and policy.predicted_speedup > 1.0
+
+
+def test_costs_between_choose_a_gate_where_the_text_is_predictable():
+    policy = choose_policy(costs(1.9), profile())
+    assert policy.drafts and 0.0 < policy.min_certainty < 1.0
+    # The chosen gate beats drafting everywhere and never drafting, by the replay the policy used.
+    kinds = policy.costs
+    chosen = replay(profile()[policy.tree], policy.min_certainty, kinds, policy.lookup)
+    for gate in (0.0, NEVER):
+        other = replay(profile()[policy.tree], gate, kinds, policy.lookup)
+        assert chosen["tokens"] / chosen["cost"] >= other["tokens"] / other["cost"]
+
+
+def test_a_tree_size_without_costs_is_not_chosen():
+    policy = choose_policy({"drafted": {4: 1.0}, "branch": {4: 1.0}}, profile())
+    assert policy.tree == 4
+
+
+@pytest.mark.parametrize("cost", [1.0, 1.5, 2.5, 40.0])
+def test_the_policy_never_predicts_below_plain(cost):
+    assert choose_policy(costs(cost), profile()).predicted_speedup >= 1.0
