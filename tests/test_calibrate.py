@@ -118,3 +118,29 @@ def test_random_model_of_a_named_shape_decodes(monkeypatch):
     monkeypatch.setattr("s3d_jax.shapes.available_memory_bytes", lambda: 2**30)
     with pytest.raises(MemoryError, match="GiB"):
         random_model("llama3_1b")
+
+
+def test_the_drafter_file_carries_its_profile(model, tmp_path):
+    from s3d_jax import drafter as drafter_lib
+
+    made = drafter_lib.extract(model.params, model.config, (1, 1), 3, tree=2)
+    path = drafter_lib.save(tmp_path / "d.safetensors", dataclasses.replace(made, profile=model.profile))
+    loaded = drafter_lib.load_file(path)
+    assert sorted(loaded.profile) == [4, 8]
+    for size in (4, 8):
+        for key in ("certainty", "drafted", "branch", "branch_k"):
+            np.testing.assert_allclose(loaded.profile[size][0][key], model.profile[size][0][key])
+    applied = drafter_lib.apply(tiny_model(seed=3), path)
+    assert applied.profile is not None and applied.config.draft_tree == 2
+    assert drafter_lib.load_file(drafter_lib.save(tmp_path / "none.safetensors", made)).profile is None
+
+
+@pytest.mark.needs("bundled_model")
+def test_predict_shape_prints_costs_and_the_policy(monkeypatch, capsys):
+    from s3d_jax.predict.__main__ import main
+
+    monkeypatch.setattr(calibration, "calibrate", lambda model, **kw: costs(step=20.0, draft=8.0, tree=22.0))
+    assert main(["--shape", "smollm2_135m", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2_135m (bfloat16)" in out and "step 20.0 ms" in out
+    assert "at the shipped drafter's acceptance: calibrated policy" in out
