@@ -144,3 +144,12 @@ def test_predict_shape_prints_costs_and_the_policy(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "smollm2_135m (bfloat16)" in out and "step 20.0 ms" in out
     assert "at the shipped drafter's acceptance: calibrated policy" in out
+
+
+def test_a_busy_machine_is_said(model, monkeypatch, capsys):
+    steps = iter([10.0, 20.0])
+    monkeypatch.setattr(calibration, "verify_ms", lambda m, tokens, **k: next(steps) if tokens == 1 else 12.0)
+    monkeypatch.setattr(calibration, "draft_ms", lambda *a, **k: 5.0)
+    monkeypatch.setattr(calibration, "tree_verify_ms", lambda *a, **k: 15.0)
+    assert calibration.calibrate(model).step == 10.0
+    assert "the machine looks busy" in capsys.readouterr().err
