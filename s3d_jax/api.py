@@ -22,7 +22,7 @@ from s3d_jax.model import full_pass, lm_logits
 from s3d_jax.options import DEFAULT_GAMMA, DEFAULT_MIN_CERTAINTY, DecodeOptions, check_int, default_skip
 from s3d_jax.sampling import Sampling
 from s3d_jax.speculative import Plan
-from s3d_jax.speedup import NEVER, Policy, choose_policy
+from s3d_jax.speedup import NEVER, Policy
 
 BUNDLED_DRAFTER = "bundled"
 
@@ -257,12 +257,9 @@ def drafting_policy(model: Model, options: DecodeOptions) -> Policy | None:
     or `S3D_JAX_CALIBRATE=0`: the fixed defaults apply."""
     open_ = options.tree is None and options.lookup is None and options.min_certainty is None
     drafter_gamma = options.gamma is None or options.gamma == model.config.draft_gamma
-    if not (options.method == "s3d" and options.temperature == 0 and open_ and drafter_gamma and model.profile):
+    if not (options.method == "s3d" and options.temperature == 0 and open_ and drafter_gamma):
         return None
-    costs = calibration.cached_or_measured(model)
-    if costs is None:
-        return None
-    return choose_policy(costs.in_steps(sorted(model.profile), branch_slots=costs.gamma), model.profile)
+    return calibration.drafting_policy(model)
 
 
 def plan_for(config: ModelConfig, options: DecodeOptions, policy: Policy | None = None) -> Plan:
@@ -346,8 +343,8 @@ def prepare(
     prompts = np.zeros((len(ids), padded_len), np.int32)
     for b, row in enumerate(ids):
         prompts[b, : len(row)] = row
-    run = decoding.Run(model.params, cfg, plan, prompts, lengths, max_new_tokens, tuple(sorted(eos_token_ids)), options.seed, max_len)
-    run.policy = "" if policy is None else policy.describe()
+    run = decoding.Run(model.params, cfg, plan, prompts, lengths, max_new_tokens, tuple(sorted(eos_token_ids)), options.seed, max_len,
+                       policy="" if policy is None else policy.describe())
     return model, run, batched
 
 

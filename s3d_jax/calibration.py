@@ -33,8 +33,10 @@ from s3d_jax import few_rows, tree
 from s3d_jax.cache import KVCache
 from s3d_jax.checkpoint import Model
 from s3d_jax.decoding import compile_ahead
+from s3d_jax.options import DEFAULT_GAMMA
 from s3d_jax.paths import cache_root
 from s3d_jax.speculative import Plan, draft_s3d, verify
+from s3d_jax.speedup import Policy, choose_policy
 
 ENV_SWITCH = "S3D_JAX_CALIBRATE"
 TREE_SIZES = (4, 8, 16, 24)  # the policy's candidate trees are 4, 8 and 16; 24 bounds their branch-alone passes (N + γ slots)
@@ -112,15 +114,18 @@ class PassCosts:
     machine: str
 
     def tree(self, nodes: int) -> float:
-        sizes = sorted(self.trees)
-        points = {0: self.step, **{n: self.trees[n] for n in sizes}}
-        return float(np.interp(nodes, sorted(points), [points[n] for n in sorted(points)]))
+        points = sorted({0: self.step, **self.trees}.items())
+        return float(np.interp(nodes, [n for n, _ in points], [ms for _, ms in points]))
 
     def in_steps(self, sizes, branch_slots: int) -> dict:
         """The policy's costs in plain steps: a drafted tree of each size, and the branch verified alone
         through that tree's slots (N + `branch_slots`)."""
         return {"drafted": {n: (self.draft + self.tree(n)) / self.step for n in sizes},
                 "branch": {n: self.tree(n + branch_slots) / self.step for n in sizes}}
+
+    def policy(self, profile: dict) -> Policy:
+        """The drafting policy these costs and a drafter's acceptance profile choose (`speedup.choose_policy`)."""
+        return choose_policy(self.in_steps(sorted(profile), branch_slots=self.gamma), profile)
 
     def summary(self) -> str:
         trees = ", ".join(f"tree {n} {ms / self.step:.2f}" for n, ms in sorted(self.trees.items()))
@@ -173,7 +178,7 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
     if not quiet:
         print("s3d_jax: calibrating pass costs for this machine and model (once; S3D_JAX_CALIBRATE=0 skips) ...", file=sys.stderr)
     start = time.perf_counter()
-    gamma = c.draft_gamma or 4
+    gamma = c.draft_gamma or DEFAULT_GAMMA
     timed = dict(context=CONTEXT, repeats=REPEATS)
     step = verify_ms(model, 1, **timed)
     costs = PassCosts(step=step, verify=verify_ms(model, gamma + 1, **timed), draft=draft_ms(model, c.draft_skip, gamma, **timed),
@@ -198,3 +203,21 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
 def cached_or_measured(model: Model) -> PassCosts | None:
     """The costs decode's defaults use: cached, else measured now; None with `S3D_JAX_CALIBRATE=0`."""
     return calibrate(model, force=False) if switched_on() else None
+
+
+_policies: dict = {}  # cost file -> (profile, its costs, the policy they chose): replaying a profile takes tens of ms
+
+
+def drafting_policy(model: Model) -> Policy | None:
+    """The policy of the model's drafter profile at this machine's costs, chosen once per process for the
+    same costs and profile; None without a profile or with `S3D_JAX_CALIBRATE=0`."""
+    if model.profile is None:
+        return None
+    costs = cached_or_measured(model)
+    if costs is None:
+        return None
+    path = cache_file(model)
+    known = _policies.get(path)
+    if known is None or known[0] is not model.profile or known[1] != costs:
+        known = _policies[path] = (model.profile, costs, costs.policy(model.profile))
+    return known[2]

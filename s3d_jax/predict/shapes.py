@@ -13,7 +13,6 @@ from s3d_jax import drafter as drafter_lib
 from s3d_jax.checkpoint import Model
 from s3d_jax.options import DEFAULT_GAMMA, default_skip
 from s3d_jax.shapes import describe, random_params, shape_config
-from s3d_jax.speedup import choose_policy
 
 DRAFT_VOCAB = 8192  # the shipped drafter's reduced draft head
 
@@ -33,6 +32,5 @@ def shape_costs(name: str, dtype: str) -> int:
     if shipped.profile is None:
         print("the shipped drafter records no acceptance profile: no speedup to predict")
         return 0
-    policy = choose_policy(costs.in_steps(sorted(shipped.profile), branch_slots=costs.gamma), shipped.profile)
-    print(f"at the shipped drafter's acceptance: {policy.describe()}")
+    print(f"at the shipped drafter's acceptance: {costs.policy(shipped.profile).describe()}")
     return 0
