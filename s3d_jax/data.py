@@ -224,6 +224,19 @@ def load_dataset(path, tokenizer, *, max_len: int, loss_on: str = "assistant", p
     return build_rows(train, max_len, pack, pad), build_rows(held_out or train[:1], max_len, pack, pad)
 
 
+def _epoch_order(rows: Rows, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(len(rows))
+
+
+def tokens_before(rows: Rows, batch_size: int, seed: int, position: int) -> int:
+    """The tokens (padding excluded) in `batches`' first `position` batches: what a resumed run has seen."""
+    per_epoch = len(rows) // batch_size
+    per_row = (rows.segment_ids > 0).sum(axis=1)
+    epochs, index = divmod(position, per_epoch) if per_epoch else (0, 0)
+    seen = sum(int(per_row[_epoch_order(rows, seed, e)[: per_epoch * batch_size]].sum()) for e in range(epochs))
+    return seen + int(per_row[_epoch_order(rows, seed, epochs)[: index * batch_size]].sum())
+
+
 def batches(rows: Rows, batch_size: int, seed: int, start: int = 0):
     """Yields `(position, batch)` forever from batch number `start`: each epoch is a fresh fixed
     permutation, so a resumed run continues where it stopped and sees no batch twice."""
@@ -233,6 +246,6 @@ def batches(rows: Rows, batch_size: int, seed: int, start: int = 0):
     position = start
     while True:
         epoch, index = divmod(position, per_epoch)
-        order = np.random.default_rng([seed, epoch]).permutation(len(rows))
+        order = _epoch_order(rows, seed, epoch)
         yield position, rows.take(order[index * batch_size : (index + 1) * batch_size])
         position += 1

@@ -52,8 +52,8 @@ class DraftLoRA(nn.Module):
         a = self.param("a", init_normal, (*self.in_shape, self.rank), self.dtype)
         b = self.param("b", nn.initializers.zeros, (self.rank, *self.out_shape), self.dtype)
         n_in = len(self.in_shape)
-        low = jnp.tensordot(x, a, axes=n_in, precision=self.precision)
-        return jnp.tensordot(low, b, axes=1, precision=self.precision)
+        low = few_rows.tensordot(x, a, n_in, self.precision)
+        return few_rows.tensordot(low, b, 1, self.precision)
 
 
 def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool, bias: bool = False):
@@ -165,9 +165,10 @@ class Attention(nn.Module):
             axis=-1,
         )
         probs = jax.nn.softmax(scores, axis=-1).astype(x_BTD.dtype)
-        out_BTKGE = jnp.einsum("bkgts,bkes->btkge", probs[..., :S], context_v_BKES, precision=c.precision) + jnp.einsum(
-            "bkgts,bkes->btkge", probs[..., S:], v_BKET, precision=c.precision
-        )
+        # float32 results: XLA's CPU has a fast bfloat16 product only for those (few_rows.tensordot).
+        out_BTKGE = jnp.einsum("bkgts,bkes->btkge", probs[..., :S], context_v_BKES, preferred_element_type=f32, precision=c.precision)
+        out_BTKGE += jnp.einsum("bkgts,bkes->btkge", probs[..., S:], v_BKET, preferred_element_type=f32, precision=c.precision)
+        out_BTKGE = out_BTKGE.astype(x_BTD.dtype)
         out_BTD = linear(self, "o", out_BTKGE.reshape(B, T, H, E), (H, E), (D,), draft)
         return out_BTD, (k_BKTE, v_BKET)
 

@@ -47,6 +47,7 @@ class Objective:
     target: str = "data"  # one of TARGETS
     target_temperature: float = 1.0  # verifier_kl: both distributions at this temperature
     target_top_k: int = 0  # verifier_kl: the verifier's k most likely tokens, renormalised (0: all)
+    argmax_weight: float = 0.0  # verifier_kl/tv: plus this weight x cross-entropy against the verifier's argmax
     max_depth: int = 8  # depths reported in the metrics
 
     def __post_init__(self):
@@ -64,6 +65,9 @@ class Objective:
             raise ValueError(f"target_temperature must be > 0, got {self.target_temperature}")
         if self.target_top_k < 0:
             raise ValueError(f"target_top_k must be >= 0, got {self.target_top_k}")
+        if self.argmax_weight < 0 or (self.argmax_weight and self.target not in ("verifier_kl", "verifier_tv")):
+            raise ValueError(f"argmax_weight must be >= 0 and is for the verifier_kl and verifier_tv targets, got {self.argmax_weight} "
+                             f"with target {self.target!r}")
 
     @property
     def uses_verifier(self) -> bool:
@@ -161,8 +165,12 @@ def target_loss(draft_logits_BTV, labels_BT, verifier_logits_BTV, objective: Obj
         verifier = jnp.where(verifier < kth, NEG_INF, verifier)
     p, log_q = jax.nn.softmax(verifier, -1), jax.nn.log_softmax(draft_logits_BTV / tau, -1)
     if objective.target == "verifier_kl":  # KL(p || q), scaled by τ² so gradients keep their size
-        return tau**2 * jnp.sum(p * (jnp.log(jnp.maximum(p, 1e-30)) - log_q), -1)
-    return 0.5 * jnp.sum(jnp.abs(p - jnp.exp(log_q)), -1)  # verifier_tv
+        distance = tau**2 * jnp.sum(p * (jnp.log(jnp.maximum(p, 1e-30)) - log_q), -1)
+    else:  # verifier_tv
+        distance = 0.5 * jnp.sum(jnp.abs(p - jnp.exp(log_q)), -1)
+    if objective.argmax_weight:  # the token greedy verification accepts, on top of the distribution
+        distance += objective.argmax_weight * optax.softmax_cross_entropy_with_integer_labels(draft_logits_BTV, labels_BT)
+    return distance
 
 
 def loss_fn(params, batch: Batch, rng, *, config: ModelConfig, objective: Objective, original_params=None, report_verifier=False):

@@ -137,6 +137,23 @@ def test_kl_and_tv_targets_vanish_for_equal_distributions(top_k):
             assert float(jnp.max(other)) <= 1.0
 
 
+def test_argmax_weight_adds_the_cross_entropy_against_the_verifiers_argmax():
+    import optax
+
+    from s3d_jax.objective import target_loss
+
+    verifier, draft = _verifier_logits(seed=1), _verifier_logits(seed=2)
+    labels = jnp.argmax(verifier, -1)
+    for target in ("verifier_kl", "verifier_tv"):
+        alone = target_loss(draft, labels, verifier, Objective(skip=(1, 2), gamma=2, target=target))
+        mixed = target_loss(draft, labels, verifier, Objective(skip=(1, 2), gamma=2, target=target, argmax_weight=0.5))
+        ce = optax.softmax_cross_entropy_with_integer_labels(draft, labels)
+        np.testing.assert_allclose(mixed, alone + 0.5 * ce, rtol=1e-5)
+    for target in ("data", "verifier_argmax"):  # their loss is the cross-entropy already
+        with pytest.raises(ValueError, match="argmax_weight"):
+            Objective(skip=(1, 2), gamma=2, target=target, argmax_weight=1.0)
+
+
 @pytest.mark.parametrize("target", ["data", "verifier_argmax", "verifier_kl", "verifier_tv"])
 def test_every_target_trains_with_finite_gradients(target):
     model = tiny_model(seed=3)

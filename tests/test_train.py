@@ -120,6 +120,9 @@ def test_resume_after_kill_equals_uninterrupted_run(tmp_path):
     after = records(workdir, "train")
     assert [r["step"] for r in after] == list(range(1, 25)), "each step once: those after the checkpoint are replaced"
     assert [r["data_position"] for r in after] == list(range(24)), "the resumed run continues the data stream exactly"
+    # The learning curve's axis: tokens seen, counted again from the data stream on resume.
+    seen = [r["tokens_seen"] for r in after]
+    assert seen == [r["tokens_seen"] for r in records(tmp_path / "reference", "train")] and seen == sorted(set(seen))
     redone = [r["step"] for r in whole_records(workdir / "metrics.discarded.jsonl") if r["split"] == "train"]
     resumed_from = redone[0] - 1 if redone else killed_at  # the newest checkpoint
     assert resumed_from % 4 == 0 and redone == list(range(resumed_from + 1, killed_at + 1))
@@ -256,3 +259,13 @@ def test_dry_run_needs_no_weights():
         assert report["memory_per_device_gib"]["total"] > 10
     phi3 = [sys.executable, "-m", "s3d_jax.train", "--config", str(ROOT / "configs" / "phi3.py"), "--dry-run"]
     assert 3.7e9 < json.loads(subprocess.run(phi3, capture_output=True, text=True).stdout)["parameters"]["total"] < 3.9e9
+
+
+@pytest.mark.needs("bundled_model")
+@pytest.mark.parametrize("name", ["smollm2", "smollm2_1m"])
+def test_dry_run_of_a_bundled_model_recipe_reads_its_config(name):
+    result = subprocess.run([sys.executable, "-m", "s3d_jax.train", "--config", str(ROOT / "configs" / f"{name}.py"), "--dry-run"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    p = json.loads(result.stdout)["parameters"]
+    assert 1.3e8 < p["total"] < 1.5e8 and 0 < p["trainable"] < 0.05 * p["total"], p  # SmolLM2-135M with draft-only LoRA

@@ -39,6 +39,7 @@ def default_config() -> ml_collections.ConfigDict:
         # "verifier_argmax", "verifier_kl" (at target_temperature, over its target_top_k best tokens; 0: all),
         # "verifier_tv" (total variation). Greedy verification accepts exactly the verifier's argmax.
         target="data", target_temperature=1.0, target_top_k=0,
+        argmax_weight=0.0,  # verifier_kl / verifier_tv: plus this weight x cross-entropy against the verifier's argmax
         lora_rank=0,  # > 0: train draft-only LoRA adapters; the verifier stays bit-identical
         train_head=False,  # also train the final norm and LM head (changes the verifier's outputs)
         # > 0: the draft head scores only the N tokens most frequent in the training data's targets
@@ -102,6 +103,7 @@ def objective_from(cfg: ml_collections.ConfigDict, num_layers: int) -> Objective
         target=s.target,
         target_temperature=s.target_temperature,
         target_top_k=s.target_top_k,
+        argmax_weight=s.argmax_weight,
         head_grad=s.train_head,
     )
 
@@ -142,7 +144,8 @@ FIELD_RULES = {
     "s3d.mask_prob": _number(0, 1, above=True, below=True), "s3d.loss_positions": _one_of(*LOSS_POSITIONS),
     "s3d.target_grad": _BOOL, "s3d.lm_loss_weight": _number(0), "s3d.kl_weight": _number(0), "s3d.lora_rank": _int_at_least(0),
     "s3d.train_head": _BOOL, "s3d.target": _one_of(*TARGETS), "s3d.target_temperature": _number(0, above=True),
-    "s3d.target_top_k": _int_at_least(0), "s3d.draft_vocab": _int_at_least(0), "s3d.tree": _int_at_least(0),
+    "s3d.target_top_k": _int_at_least(0), "s3d.argmax_weight": _number(0), "s3d.draft_vocab": _int_at_least(0),
+    "s3d.tree": _int_at_least(0),
     "s3d.draft_vocab_data": _STR,
     "data.path": _STR, "data.max_len": _int_at_least(2), "data.pack": _BOOL, "data.loss_on": _one_of(*LOSS_ON),
     "data.eval_fraction": _number(0, 1, below=True), "data.eval_batches": _int_at_least(1), "data.max_conversations": _int_at_least(0),
@@ -197,7 +200,7 @@ def unknown_field(dotted: str) -> str | None:
 RESUME_FIELDS = (
     "s3d.skip", "s3d.gamma", "s3d.masking", "s3d.mask_prob", "s3d.loss_positions", "s3d.target_grad", "s3d.lm_loss_weight",
     "s3d.kl_weight", "s3d.lora_rank", "s3d.train_head", "s3d.target", "s3d.target_temperature", "s3d.target_top_k",
-    "s3d.draft_vocab", "s3d.draft_vocab_data",
+    "s3d.argmax_weight", "s3d.draft_vocab", "s3d.draft_vocab_data",
     "data.path", "data.max_len", "data.pack", "data.loss_on", "data.eval_fraction", "data.max_conversations", "train.seed",
 )
 ROWS_PER_STEP = "train.batch_size x train.grad_accum"

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from s3d_jax import bundled, checkpoint
+from s3d_jax.config import ModelConfig
 from s3d_jax.model import abstract_params
 from s3d_jax.sharding import spec_for
 from s3d_jax.train.config import model_config_from, validate
@@ -17,7 +19,7 @@ from s3d_jax.train.trainer import trainer_from
 def dry_run(cfg: ml_collections.ConfigDict) -> dict:
     """The model, its skip range, parameter counts, and memory per device in GiB by kind."""
     validate(cfg)
-    config = model_config_from(cfg).replace(dtype="float32", draft_lora_rank=cfg.s3d.lora_rank)
+    config = base_config(cfg).replace(dtype="float32", draft_lora_rank=cfg.s3d.lora_rank)
     params = abstract_params(config)
     trainer, _ = trainer_from(cfg, config, params)
     opt_state = jax.eval_shape(trainer.optimizer.init, params)
@@ -50,6 +52,14 @@ def dry_run(cfg: ml_collections.ConfigDict) -> dict:
     return {"model": config.architecture, "layers": config.num_layers, "skip": list(trainer.objective.skip),
             "parameters": parameter_counts(params, trainer.masks),
             "memory_per_device_gib": {k: v / 2**30 for k, v in memory.items()}, "mesh": mesh_shape}
+
+
+def base_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
+    """The config of the model a run trains: the shape the config gives, or else its checkpoint's (the
+    bundled one converted once)."""
+    if cfg.model.vocab_size or not cfg.model_path:
+        return model_config_from(cfg)
+    return checkpoint.load_config(bundled.ensure_converted() if cfg.model_path == "bundled" else cfg.model_path)
 
 
 def parameter_counts(params, masks) -> dict:

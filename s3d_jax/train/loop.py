@@ -86,22 +86,23 @@ def _run(cfg: ml_collections.ConfigDict, workdir: Path, mesh, cleanup: contextli
     start_step = int(state.step)
     kept = report.drop_after(metrics_file, start_step)  # a resumed run logs the steps after its checkpoint again
     if start_step == 0 and not kept:
-        before = report.log_eval(metrics_file, 0, held_out(state.params))
+        before = report.log_eval(metrics_file, 0, held_out(state.params), tokens_seen=0)
         print(f"held-out before training: {report.describe(before)}", file=sys.stderr)
 
     stream = data.batches(train_rows, t.batch_size * t.grad_accum, t.seed, start=data_position)
+    seen = data.tokens_before(train_rows, t.batch_size * t.grad_accum, t.seed, data_position)
     bar = tqdm(total=t.steps, initial=start_step, desc="training", disable=not progress, dynamic_ncols=True)
     throughput = report.Throughput()
     for step in range(start_step + 1, t.steps + 1):
         data_position, rows = next(stream)
         state, metrics = step_fn(state, place_batch(rows, mesh, t.grad_accum), original)
-        throughput.add(rows)
+        seen += throughput.add(rows)
         if _due(step, t.log_every, t.steps):
             record = report.log_step(metrics_file, step, metrics, lr=float(schedule(step)), tokens_per_s=throughput.read(),
-                                     data_position=data_position)
+                                     data_position=data_position, tokens_seen=seen)
             bar.set_postfix_str(report.describe(record) + f" {record['tokens_per_s']:.0f} tok/s")
         if _due(step, t.eval_every, t.steps):
-            record = report.log_eval(metrics_file, step, held_out(state.params))
+            record = report.log_eval(metrics_file, step, held_out(state.params), tokens_seen=seen)
             bar.write(f"step {step} held-out: {report.describe(record)}")
         if _due(step, t.checkpoint_every, t.steps):
             checkpoints.save_checkpoint(manager, step, state, data_position + 1, trainer.config, cfg)

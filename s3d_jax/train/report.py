@@ -19,8 +19,11 @@ class Throughput:
     def __init__(self):
         self.tokens, self.since = 0, time.perf_counter()
 
-    def add(self, rows: dict) -> None:
-        self.tokens += int((rows["segment_ids"] > 0).sum())
+    def add(self, rows: dict) -> int:
+        """Counts a step's rows; returns their tokens."""
+        tokens = int((rows["segment_ids"] > 0).sum())
+        self.tokens += tokens
+        return tokens
 
     def read(self) -> float:
         rate = self.tokens / (time.perf_counter() - self.since)
@@ -28,17 +31,17 @@ class Throughput:
         return rate
 
 
-def log_step(metrics_file: Path, step: int, metrics, *, lr: float, tokens_per_s: float, data_position: int) -> dict:
+def log_step(metrics_file: Path, step: int, metrics, *, lr: float, tokens_per_s: float, data_position: int, tokens_seen: int) -> dict:
     """Appends a training step's record (its metric sums made readable) and returns it."""
     record = {"split": "train", "step": step, **summarize_metrics(metrics), "lr": lr, "grad_norm": float(metrics["grad_norm"]),
-              "tokens_per_s": tokens_per_s, "data_position": data_position}
+              "tokens_per_s": tokens_per_s, "data_position": data_position, "tokens_seen": tokens_seen}
     _append(metrics_file, record)
     return record
 
 
-def log_eval(metrics_file: Path, step: int, pooled_metrics) -> dict:
+def log_eval(metrics_file: Path, step: int, pooled_metrics, tokens_seen: int) -> dict:
     """Appends a held-out evaluation's record and returns it."""
-    record = {"split": "eval", "step": step, **summarize_metrics(pooled_metrics)}
+    record = {"split": "eval", "step": step, **summarize_metrics(pooled_metrics), "tokens_seen": tokens_seen}
     _append(metrics_file, record)
     return record
 
@@ -81,31 +84,37 @@ def describe(record: dict) -> str:
 
 
 def plot_metrics(metrics_file: Path, out: Path) -> None:
-    """Train and held-out draft loss, and held-out accuracy per depth, against the step."""
+    """The learning curve: train and held-out draft loss, held-out accuracy per depth, and the E it
+    implies, against the tokens seen (against the step in a log written before tokens were counted)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    by_tokens = bool(rows) and all("tokens_seen" in r for r in rows)
+
+    def x(records):
+        return [r["tokens_seen"] / 1e6 if by_tokens else r["step"] for r in records]
+
     train = [r for r in rows if r["split"] == "train"]
     held = [r for r in rows if r["split"] == "eval"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (loss, accuracy, expected) = plt.subplots(1, 3, figsize=(15, 4))
     if train:
-        left.plot([r["step"] for r in train], [r["draft_loss"] for r in train], label="train draft loss", alpha=0.8)
+        loss.plot(x(train), [r["draft_loss"] for r in train], label="train", alpha=0.8)
     if held:
-        left.plot([r["step"] for r in held], [r["draft_loss"] for r in held], "o-", label="held-out draft loss")
+        loss.plot(x(held), [r["draft_loss"] for r in held], "o-", label="held-out")
         measured = [d for d in range(len(held[0]["accuracy_per_depth"])) if any(not math.isnan(r["accuracy_per_depth"][d]) for r in held)]
         for d in measured:
-            right.plot([r["step"] for r in held], [r["accuracy_per_depth"][d] for r in held], "o-", label=f"depth {d}")
-    left.set_xlabel("step")
-    left.set_ylabel("cross-entropy")
-    left.legend()
-    left.set_title("S3D drafter loss")
-    right.set_xlabel("step")
-    right.set_ylabel("held-out accuracy")
-    right.set_title("Draft accuracy per depth")
-    right.legend(fontsize=8)
+            accuracy.plot(x(held), [r["accuracy_per_depth"][d] for r in held], "o-", label=f"depth {d}")
+        expected.plot(x(held), [r["expected_tokens_per_iteration"] for r in held], "o-")
+    for ax, y_label, title in ((loss, "draft loss", "Drafter loss"), (accuracy, "held-out accuracy", "Draft accuracy per depth"),
+                               (expected, "tokens per iteration", "Held-out E (chain of gamma drafts)")):
+        ax.set_xlabel("tokens seen (millions)" if by_tokens else "step")
+        ax.set_ylabel(y_label)
+        ax.set_title(title)
+    loss.legend()
+    accuracy.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
