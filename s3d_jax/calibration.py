@@ -156,7 +156,8 @@ def cache_file(model: Model):
     drafter = {"skip": c.draft_skip, "gamma": c.draft_gamma, "lora_rank": c.draft_lora_rank, "draft_vocab": c.draft_vocab_size}
     key = json.dumps({"machine": machine(), "model": c.replace(draft_skip=None, draft_gamma=None, draft_lora_rank=0,
                                                                draft_vocab_size=0, draft_tree=0).to_json(),
-                      "drafter": drafter, "sizes": TREE_SIZES, "context": CONTEXT}, sort_keys=True, default=str)
+                      "drafter": drafter, "sizes": TREE_SIZES, "context": CONTEXT,
+                      "kernel": few_rows.build_id() if few_rows.switched_on() else None}, sort_keys=True, default=str)
     return cache_root() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 

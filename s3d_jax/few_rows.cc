@@ -1,10 +1,11 @@
-// y = x @ w for a few rows of x (a decode pass: 1 to 16 tokens) against a large row-major float32
-// weight, as an XLA FFI handler for the CPU (s3d_jax/few_rows.py builds and registers it).
+// y = x @ w for a few rows of x (a decode pass: 1 to 16 tokens) against a large row-major float32 or
+// bfloat16 weight, as an XLA FFI handler for the CPU (s3d_jax/few_rows.py builds and registers it).
 //
 // XLA's CPU dot streams the weight once for one row, but for 2-16 rows it packs the weight into
 // panels first, so a pass over 5 tokens costs about 2x a one-token step. Here the weight is read
 // once, 8 rows of it at a time, for all of x's rows together; x's row t is accumulated in y's row t,
-// which stays in the L1 cache. Each output element is summed over k in the same order whatever the
+// which stays in the L1 cache. A bfloat16 weight is widened to float32 in registers (exactly: its
+// bits are a float32's upper half), so it costs half the bytes and sums the same way. Each output element is summed over k in the same order whatever the
 // number of rows or threads, so a token's logits do not depend on how many tokens share its pass.
 #include <algorithm>
 #include <atomic>
@@ -21,14 +22,29 @@ namespace ffi = xla::ffi;
 namespace {
 
 typedef float Lanes __attribute__((vector_size(64), aligned(4), may_alias));  // 16 floats, unaligned loads
+typedef uint16_t Halves __attribute__((vector_size(32), aligned(2), may_alias));  // 16 bfloat16s
+typedef uint32_t Words __attribute__((vector_size(64)));
+
+// 16 weights (or one) as float32.
+inline Lanes Load16(const float* w) { return *reinterpret_cast<const Lanes*>(w); }
+inline Lanes Load16(const uint16_t* w) {
+  return reinterpret_cast<Lanes>(__builtin_convertvector(*reinterpret_cast<const Halves*>(w), Words) << 16);
+}
+inline float Load1(const float* w) { return *w; }
+inline float Load1(const uint16_t* w) {
+  const uint32_t bits = uint32_t{*w} << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
 
 constexpr int64_t kWeightRows = 8;    // weight rows read together
 constexpr int64_t kMaxRows = 8;       // rows of x per sweep over the weight
 constexpr int64_t kColumnAlign = 16;  // a thread's columns start on a whole vector
 
 // y[t, n0:n1] += sum over k in [k0, k0+KB) of x[t, k] * w[k, n0:n1], for T rows.
-template <int T, int KB>
-inline void Accumulate(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t k0, int64_t n0,
+template <int T, int KB, typename W>
+inline void Accumulate(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t k0, int64_t n0,
                        int64_t n1) {
   float xs[T][KB];
   for (int t = 0; t < T; ++t)
@@ -38,7 +54,7 @@ inline void Accumulate(const float* x, const float* w, float* y, int64_t K, int6
     Lanes acc[T];
     for (int t = 0; t < T; ++t) acc[t] = *reinterpret_cast<const Lanes*>(y + t * N + n);
     for (int kk = 0; kk < KB; ++kk) {
-      const Lanes wv = *reinterpret_cast<const Lanes*>(w + (k0 + kk) * N + n);
+      const Lanes wv = Load16(w + (k0 + kk) * N + n);
       for (int t = 0; t < T; ++t) acc[t] += xs[t][kk] * wv;
     }
     for (int t = 0; t < T; ++t) *reinterpret_cast<Lanes*>(y + t * N + n) = acc[t];
@@ -46,28 +62,31 @@ inline void Accumulate(const float* x, const float* w, float* y, int64_t K, int6
   for (; n < n1; ++n)
     for (int t = 0; t < T; ++t) {
       float s = y[t * N + n];
-      for (int kk = 0; kk < KB; ++kk) s += xs[t][kk] * w[(k0 + kk) * N + n];
+      for (int kk = 0; kk < KB; ++kk) s += xs[t][kk] * Load1(w + (k0 + kk) * N + n);
       y[t * N + n] = s;
     }
 }
 
-template <int T>
-void Columns(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+template <int T, typename W>
+void Columns(const float* x, const void* weight, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const W* w = static_cast<const W*>(weight);
   for (int t = 0; t < T; ++t) std::memset(y + t * N + n0, 0, sizeof(float) * (n1 - n0));
   int64_t k = 0;
   for (; k + kWeightRows <= K; k += kWeightRows) Accumulate<T, kWeightRows>(x, w, y, K, N, k, n0, n1);
   for (; k < K; ++k) Accumulate<T, 1>(x, w, y, K, N, k, n0, n1);
 }
 
-using ColumnsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
-constexpr ColumnsFn kColumns[kMaxRows + 1] = {nullptr,    Columns<1>, Columns<2>, Columns<3>, Columns<4>,
-                                              Columns<5>, Columns<6>, Columns<7>, Columns<8>};
+using ColumnsFn = void (*)(const float*, const void*, float*, int64_t, int64_t, int64_t, int64_t);
+template <typename W>
+constexpr ColumnsFn kColumns[kMaxRows + 1] = {nullptr,          Columns<1, W>, Columns<2, W>, Columns<3, W>, Columns<4, W>,
+                                              Columns<5, W>,    Columns<6, W>, Columns<7, W>, Columns<8, W>};
 
 // The columns split into parts that the calling thread and the helper threads claim one at a time.
 // A caller never waits for a part nobody has claimed, so concurrent calls cannot starve each other.
 struct Job {
   const float* x;
-  const float* w;
+  const void* w;
+  const ColumnsFn* columns;  // kColumns of the weight's type
   float* y;
   int64_t M, K, N, part_columns, parts;
   std::atomic<int64_t> next{0};
@@ -78,7 +97,7 @@ struct Job {
       const int64_t n0 = p * part_columns, n1 = std::min(N, n0 + part_columns);
       for (int64_t m = 0; m < M; m += kMaxRows) {
         const int64_t rows = std::min(kMaxRows, M - m);
-        kColumns[rows](x + m * K, w, y + m * N, K, N, n0, n1);
+        columns[rows](x + m * K, w, y + m * N, K, N, n0, n1);
       }
       done.fetch_add(1, std::memory_order_release);
     }
@@ -137,14 +156,21 @@ class Helpers {
   std::shared_ptr<Job> job_;
 };
 
-ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
     return ffi::Error::InvalidArgument("few_row_matmul: expected x [M, K] and w [K, N]");
   }
   auto job = std::make_shared<Job>();
+  if (w.element_type() == ffi::DataType::F32) {
+    job->columns = kColumns<float>;
+  } else if (w.element_type() == ffi::DataType::BF16) {
+    job->columns = kColumns<uint16_t>;
+  } else {
+    return ffi::Error::InvalidArgument("few_row_matmul: the weight must be float32 or bfloat16");
+  }
   job->x = x.typed_data();
-  job->w = w.typed_data();
+  job->w = w.untyped_data();
   job->y = y->typed_data();
   job->M = xd[0];
   job->K = xd[1];
@@ -172,5 +198,5 @@ extern "C" void S3dFewRowConfigure(int64_t threads, int64_t spin_us) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmul, FewRowMatmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

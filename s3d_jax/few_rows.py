@@ -8,7 +8,7 @@ and how long it took) into `<cache root>/kernels/`, keyed on everything the bina
 checked against its recorded digest before every load: a truncated or foreign file is rebuilt.
 
 `matmul(x, w)` is the one entry point: the kernel where it applies (a CPU backend with one device,
-float32, at most `MAX_ROWS` rows, the switch on), `jnp.tensordot` everywhere else. It is
+float32 or bfloat16, at most `MAX_ROWS` rows, the switch on), `jnp.tensordot` everywhere else. It is
 differentiable. Settings (docs/cpu.md):
 - `S3D_JAX_FEW_ROW_KERNEL`: `0`/`false`/`no`/`off` keeps every product on XLA's dot. It is read
   when a function is traced; the decode engine's caches key on it (`switch`).
@@ -112,13 +112,18 @@ def _compiler_version() -> str:
         return ""
 
 
-def _library_path() -> Path:
-    """Where this source, built by this compiler for this CPU and this jaxlib, lives in the cache."""
+@functools.cache
+def build_id() -> str:
+    """What the binary depends on, hashed: this source, built by this compiler for this CPU and this jaxlib.
+    Pass costs measured with one build are measured again with another (`calibration`)."""
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else platform.processor()
     cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), cpu)
     parts = [SOURCE.read_text(), " ".join(FLAGS), jaxlib.__version__, _compiler_version(), platform.machine(), cpu_flags]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / f"few_rows-{key}.so"
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _library_path() -> Path:
+    return cache_root() / "kernels" / f"few_rows-{build_id()}.so"
 
 
 def _notice(text: str) -> None:
@@ -204,12 +209,15 @@ def _registered() -> bool:
     return True
 
 
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)  # of the weight and of x; the kernel sums in float32
+
+
 def applies(rows: int, x_dtype, w_dtype) -> bool:
     """Whether `matmul` uses the kernel for this product (decided when tracing)."""
     return (
         0 < rows <= MAX_ROWS
-        and x_dtype == jnp.float32
-        and w_dtype == jnp.float32
+        and x_dtype in KERNEL_DTYPES
+        and w_dtype in KERNEL_DTYPES
         and jax.default_backend() == "cpu"
         and jax.device_count() == 1  # sharded products stay with XLA's partitioner
         and available()
@@ -246,5 +254,6 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
     lead = x.shape[: x.ndim - n_in]
     if not applies(math.prod(lead), x.dtype, w.dtype):
         return tensordot(x, w, n_in, precision, preferred_element_type)
-    y = _kernel(x.reshape(math.prod(lead), math.prod(in_shape)), w.reshape(math.prod(in_shape), math.prod(out_shape)))
-    return y.reshape(*lead, *out_shape)
+    x_MK = x.reshape(math.prod(lead), math.prod(in_shape)).astype(jnp.float32)  # exact from bfloat16
+    y = _kernel(x_MK, w.reshape(math.prod(in_shape), math.prod(out_shape)))
+    return y.reshape(*lead, *out_shape).astype(preferred_element_type or jnp.result_type(x, w))

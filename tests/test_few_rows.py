@@ -44,10 +44,26 @@ def test_kernel_equals_the_float64_product(rows, k, n):
 
 
 @needs_kernel
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows,k,n", SHAPES[:4])
+def test_bfloat16_weights_are_summed_in_float32_and_rounded_once(rows, k, n, x_dtype):
+    """A bfloat16 weight (and input) through the kernel: the float32 product of the same values, rounded
+    once to the result's dtype, as XLA's bfloat16 dot computes it."""
+    x, w = random((rows, k), 0).astype(x_dtype), random((k, n), 1).astype(jnp.bfloat16)
+    assert few_rows.TARGET in jax.jit(few_rows.matmul).lower(x, w).as_text()
+    y = jax.jit(few_rows.matmul)(x, w)
+    assert y.dtype == jnp.result_type(x_dtype, jnp.bfloat16)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    tolerance = 2e-6 * np.abs(exact).max() + (np.abs(exact) * 2.0**-8 if y.dtype == jnp.bfloat16 else 0)
+    assert np.all(np.abs(np.asarray(y, np.float64) - exact) <= tolerance)
+
+
+@needs_kernel
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rows,k,n", SHAPES)
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, k, n):
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, k, n, w_dtype):
     """Bit for bit: a token's logits in a verify pass equal its logits in a one-token step."""
-    x, w = random((rows, k), 2), random((k, n), 3)
+    x, w = random((rows, k), 2).astype(w_dtype), random((k, n), 3).astype(w_dtype)
     together = np.asarray(jax.jit(few_rows.matmul)(x, w))
     for t in range(rows):
         alone = np.asarray(jax.jit(few_rows.matmul)(x[t : t + 1], w))
@@ -75,8 +91,8 @@ def test_gradients_equal_xlas():
 
 @pytest.mark.parametrize(
     "rows,x_dtype,w_dtype",
-    [(few_rows.MAX_ROWS + 1, jnp.float32, jnp.float32), (0, jnp.float32, jnp.float32), (4, jnp.bfloat16, jnp.bfloat16),
-     (4, jnp.float32, jnp.bfloat16)],
+    [(few_rows.MAX_ROWS + 1, jnp.float32, jnp.float32), (0, jnp.float32, jnp.float32), (4, jnp.float16, jnp.float16),
+     (4, jnp.float32, jnp.float16)],
 )
 def test_other_products_stay_on_xlas_dot(rows, x_dtype, w_dtype):
     assert not few_rows.applies(rows, x_dtype, w_dtype)
