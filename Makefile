@@ -10,7 +10,7 @@ PROMPT ?= Write a Python function that returns the n-th Fibonacci number, and ex
 # Test processes (pytest-xdist), one test file each: 2 fits the 2-core CI machine (17-23 min against 25 serially there).
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-fast lint bench install
+.PHONY: demo test test-fast lint bench install drafter
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +38,10 @@ test-fast: install
 
 bench: install
 	$(PY) -m s3d_jax.bench --suite mt_bench,humaneval,news --limit $(LIMIT)
+
+# The drafter of configs/smollm2_1m.py from scratch, each step resuming a killed run: the model's own
+# replies (about 1M tokens; hours on 2 cores), training, and the drafter's acceptance profile.
+drafter: install
+	$(PY) -m s3d_jax.self_data --out runs/smollm2_replies_1m.jsonl --limit 5300 --batch 64 --max-new-tokens 256 --max-prompt-tokens 192
+	$(PY) -m s3d_jax.train --config configs/smollm2_1m.py --workdir runs/smollm2_drafter_1m
+	$(PY) -m s3d_jax.predict --drafters runs/smollm2_drafter_1m/drafter.safetensors --profile 24 --max-new-tokens 128
