@@ -8,7 +8,8 @@ Every pass runs a static subset of layers (`layers`): the full model is all of t
 drafter the full model minus a middle range. Attention always has two key segments:
   - a *context*: keys and values computed earlier (the KV cache at inference, the clean
     sequence's target keys in training), visible through `context_mask`;
-  - the block itself, visible through `block_mask`.
+  - the block itself, visible through `block_mask`: `[B, T, T]`, or a `Band` when each query sees
+    only the few block keys just before it (training's draft pass under span masking).
 The block's own keys and values are returned so the caller decides whether to cache them.
 The masks say what is visible regardless of sliding windows: each layer applies its own window
 (`ModelConfig.layer_window`) from the query and key positions, so layers may differ (Gemma).
@@ -16,6 +17,7 @@ The masks say what is visible regardless of sliding windows: each layer applies 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -29,6 +31,21 @@ from s3d_jax.config import ModelConfig, RopeScaling
 
 NEG_INF = jnp.finfo(jnp.float32).min
 init_normal = nn.initializers.normal(stddev=0.02)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Band:
+    """A block mask as a band: `mask_BTW[b, t, j]` says whether query t sees the block's key t - j.
+    Where no query sees more than W block keys, attention scores W of them instead of all T."""
+
+    mask_BTW: jax.Array
+
+    def keys(self, x_BT):
+        """`[B, T, W, ...]`: at `[b, t, j]` the entry of `x_BT` at t - j (zeros before the start)."""
+        T, W = x_BT.shape[1], self.mask_BTW.shape[-1]
+        padded = jnp.pad(x_BT, [(0, 0), (W - 1, 0)] + [(0, 0)] * (x_BT.ndim - 2))
+        return jnp.stack([padded[:, W - 1 - j : W - 1 - j + T] for j in range(W)], axis=2)
 
 
 def window_mask(q_pos, k_pos, sliding_window: int | None):
@@ -150,12 +167,18 @@ class Attention(nn.Module):
         context_k_BKSE, context_v_BKES = context_kv
         f32, scale = jnp.float32, (c.query_pre_attn_scalar or E) ** -0.5
         scores_ctx = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, context_k_BKSE, preferred_element_type=f32, precision=c.precision) * scale
-        scores_blk = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKTE, preferred_element_type=f32, precision=c.precision) * scale
-        scores_ctx, scores_blk = softcap(scores_ctx, c.attn_softcap), softcap(scores_blk, c.attn_softcap)
         window = c.layer_window(self.layer)
         q_pos_BT1 = positions_BT[:, :, None]
+        band = block_mask_BTT if isinstance(block_mask_BTT, Band) else None
+        if band:  # the block's keys t - j for each query t: a product and sum over E, no matmul
+            k_BTWKE, v_BTWKE = band.keys(k_BTKE.astype(f32)), band.keys(v_BTKE)
+            scores_blk = jnp.einsum("btkge,btwke->bkgtw", q_BTKGE.astype(f32), k_BTWKE, precision=c.precision) * scale
+            block_mask_BTT = band.mask_BTW & window_mask(q_pos_BT1, band.keys(positions_BT), window)
+        else:
+            scores_blk = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKTE, preferred_element_type=f32, precision=c.precision) * scale
+            block_mask_BTT = block_mask_BTT & window_mask(q_pos_BT1, positions_BT[:, None, :], window)
+        scores_ctx, scores_blk = softcap(scores_ctx, c.attn_softcap), softcap(scores_blk, c.attn_softcap)
         context_mask_BTS = context_mask_BTS & window_mask(q_pos_BT1, context_positions_BS[:, None, :], window)
-        block_mask_BTT = block_mask_BTT & window_mask(q_pos_BT1, positions_BT[:, None, :], window)
         S = scores_ctx.shape[-1]
         scores = jnp.concatenate(
             [
@@ -167,7 +190,10 @@ class Attention(nn.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(x_BTD.dtype)
         # float32 results: XLA's CPU has a fast bfloat16 product only for those (few_rows.tensordot).
         out_BTKGE = jnp.einsum("bkgts,bkes->btkge", probs[..., :S], context_v_BKES, preferred_element_type=f32, precision=c.precision)
-        out_BTKGE += jnp.einsum("bkgts,bkes->btkge", probs[..., S:], v_BKET, preferred_element_type=f32, precision=c.precision)
+        if band:
+            out_BTKGE += jnp.einsum("bkgtw,btwke->btkge", probs[..., S:], v_BTWKE, preferred_element_type=f32, precision=c.precision)
+        else:
+            out_BTKGE += jnp.einsum("bkgts,bkes->btkge", probs[..., S:], v_BKET, preferred_element_type=f32, precision=c.precision)
         out_BTKGE = out_BTKGE.astype(x_BTD.dtype)
         out_BTD = linear(self, "o", out_BTKGE.reshape(B, T, H, E), (H, E), (D,), draft)
         return out_BTD, (k_BKTE, v_BKET)

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from s3d_jax.config import ModelConfig
-from s3d_jax.model import NEG_INF, full_pass, head_logits, lm_logits, never_produced, reduced_logits, run_layers
+from s3d_jax.model import NEG_INF, Band, full_pass, head_logits, lm_logits, never_produced, reduced_logits, run_layers
 from s3d_jax.sampling import top_k
 
 MASKINGS = ("span", "iid")
@@ -122,7 +122,10 @@ def draft_pass(params, config: ModelConfig, objective: Objective, batch: Batch, 
     s = jnp.arange(T)[None, None, :]
     visible = _same_segment(batch)
     context_mask = (s < anchor[:, :, None]) & visible
-    block_mask = (s >= anchor[:, :, None]) & (s <= jnp.arange(T)[None, :, None]) & visible
+    if objective.masking == "span":  # p sees at most γ block keys, p - γ + 1 .. p: a band (anchors start segments)
+        block_mask = Band(jnp.arange(T)[None, :, None] - jnp.arange(objective.gamma) >= anchor[:, :, None])
+    else:
+        block_mask = (s >= anchor[:, :, None]) & (s <= jnp.arange(T)[None, :, None]) & visible
     layers = config.draft_layers(objective.skip)
     draft_tokens = jnp.where(masked_BT, config.mask_token_id, batch.tokens)
     hidden, _ = run_layers(
