@@ -12,8 +12,18 @@ from test_train import ROOT
 
 
 def interrupt_when(command: list[str], ready, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Runs `command`, sends it SIGINT (Ctrl-C) once `ready(process)` holds, and waits for it to end."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """Runs `command`, sends it SIGINT (Ctrl-C) once `ready(process)` holds, and waits for it to end.
+
+    The command starts as from a terminal, with SIGINT neither ignored nor blocked: a test runner
+    started in the background (or a library in its process) may leave either, and a child inherits
+    both, so that Ctrl-C would never reach it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + timeout
     while not ready(process) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
