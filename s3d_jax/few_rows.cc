@@ -5,8 +5,9 @@
 // panels first, so a pass over 5 tokens costs about 2x a one-token step. Here the weight is read
 // once, 8 rows of it at a time, for all of x's rows together; x's row t is accumulated in y's row t,
 // which stays in the L1 cache. A bfloat16 weight is widened to float32 in registers (exactly: its
-// bits are a float32's upper half), so it costs half the bytes and sums the same way. Each output element is summed over k in the same order whatever the
-// number of rows or threads, so a token's logits do not depend on how many tokens share its pass.
+// bits are a float32's upper half), so it costs half the bytes and sums the same way. Each output
+// element is summed over k in the same order whatever the number of rows or threads, so a token's
+// logits do not depend on how many tokens share its pass.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -78,8 +79,8 @@ void Columns(const float* x, const void* weight, float* y, int64_t K, int64_t N,
 
 using ColumnsFn = void (*)(const float*, const void*, float*, int64_t, int64_t, int64_t, int64_t);
 template <typename W>
-constexpr ColumnsFn kColumns[kMaxRows + 1] = {nullptr,          Columns<1, W>, Columns<2, W>, Columns<3, W>, Columns<4, W>,
-                                              Columns<5, W>,    Columns<6, W>, Columns<7, W>, Columns<8, W>};
+constexpr ColumnsFn kColumns[kMaxRows + 1] = {nullptr,       Columns<1, W>, Columns<2, W>, Columns<3, W>, Columns<4, W>,
+                                              Columns<5, W>, Columns<6, W>, Columns<7, W>, Columns<8, W>};
 
 // The columns split into parts that the calling thread and the helper threads claim one at a time.
 // A caller never waits for a part nobody has claimed, so concurrent calls cannot starve each other.

@@ -170,7 +170,7 @@ class Attention(nn.Module):
         window = c.layer_window(self.layer)
         q_pos_BT1 = positions_BT[:, :, None]
         band = block_mask_BTT if isinstance(block_mask_BTT, Band) else None
-        if band:  # the block's keys t - j for each query t: a product and sum over E, no matmul
+        if band is not None:  # the block's keys t - j for each query t: a product and sum over E, no matmul
             k_BTWKE, v_BTWKE = band.keys(k_BTKE.astype(f32)), band.keys(v_BTKE)
             scores_blk = jnp.einsum("btkge,btwke->bkgtw", q_BTKGE.astype(f32), k_BTWKE, precision=c.precision) * scale
             block_mask_BTT = band.mask_BTW & window_mask(q_pos_BT1, band.keys(positions_BT), window)
@@ -190,7 +190,7 @@ class Attention(nn.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(x_BTD.dtype)
         # float32 results: XLA's CPU has a fast bfloat16 product only for those (few_rows.tensordot).
         out_BTKGE = jnp.einsum("bkgts,bkes->btkge", probs[..., :S], context_v_BKES, preferred_element_type=f32, precision=c.precision)
-        if band:
+        if band is not None:
             out_BTKGE += jnp.einsum("bkgtw,btwke->btkge", probs[..., S:], v_BTWKE, preferred_element_type=f32, precision=c.precision)
         else:
             out_BTKGE += jnp.einsum("bkgts,bkes->btkge", probs[..., S:], v_BKET, preferred_element_type=f32, precision=c.precision)
