@@ -17,6 +17,7 @@ drafter's skip, γ and draft head): a change of any of them measures again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -137,15 +138,19 @@ def switched_on() -> bool:
     return few_rows.env_switch(ENV_SWITCH)
 
 
-def machine() -> str:
-    """What pass costs depend on besides the model: processor, usable cores, backend and device, versions."""
-    device = jax.devices()[0]
+@functools.cache
+def _processor() -> str:
     processor = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            processor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), processor)
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), processor)
     except OSError:
-        pass
+        return processor
+
+
+def machine() -> str:
+    """What pass costs depend on besides the model: processor, usable cores, backend and device, versions."""
+    device, processor = jax.devices()[0], _processor()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (f"{processor}, {cores} cores; {device.platform} {device.device_kind} x{jax.device_count()}; "
             f"jax {jax.__version__}, jaxlib {jaxlib.__version__}; few-row kernel {'on' if few_rows.switched_on() else 'off'}")
@@ -170,12 +175,9 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
     if c.draft_skip is None or c.mask_token_id is None:
         raise ValueError("calibration times S3D's draft pass: the model needs a mask row and a drafter (s3d_jax.load(..., drafter=...))")
     path = cache_file(model)
-    if not force and path.is_file():
-        try:
-            fields = json.loads(path.read_text())
-            return PassCosts(**{**fields, "trees": {int(n): ms for n, ms in fields["trees"].items()}})
-        except (ValueError, TypeError, KeyError):  # a damaged file is measured again
-            pass
+    known = None if force else _read(path)
+    if known is not None:
+        return known
     if not quiet:
         print("s3d_jax: calibrating pass costs for this machine and model (once; S3D_JAX_CALIBRATE=0 skips) ...", file=sys.stderr)
     start = time.perf_counter()
@@ -196,8 +198,27 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(dataclasses.asdict(costs), indent=1))
     os.replace(tmp, path)
+    _costs_read.pop(path, None)
     if not quiet:
         print(f"s3d_jax: calibrated in {costs.seconds:.0f} s: {costs.summary()}", file=sys.stderr)
+    return costs
+
+
+_costs_read: dict = {}  # cost file -> ((mtime, size), costs): decode parses the file again only when it changed
+
+
+def _read(path) -> PassCosts | None:
+    """The costs a cost file holds; None where it is missing or damaged (then they are measured again)."""
+    try:
+        stat = path.stat()
+        version = (stat.st_mtime_ns, stat.st_size)
+        if path in _costs_read and _costs_read[path][0] == version:
+            return _costs_read[path][1]
+        fields = json.loads(path.read_text())
+        costs = PassCosts(**{**fields, "trees": {int(n): ms for n, ms in fields["trees"].items()}})
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    _costs_read[path] = (version, costs)
     return costs
 
 
@@ -206,7 +227,7 @@ def cached_or_measured(model: Model) -> PassCosts | None:
     return calibrate(model, force=False) if switched_on() else None
 
 
-_policies: dict = {}  # cost file -> (profile, its costs, the policy they chose): replaying a profile takes tens of ms
+_policies: dict = {}  # id(profile) -> (profile, the costs, the policy they chose): replaying a profile takes tens of ms
 
 
 def drafting_policy(model: Model) -> Policy | None:
@@ -217,8 +238,7 @@ def drafting_policy(model: Model) -> Policy | None:
     costs = cached_or_measured(model)
     if costs is None:
         return None
-    path = cache_file(model)
-    known = _policies.get(path)
+    known = _policies.get(id(model.profile))
     if known is None or known[0] is not model.profile or known[1] != costs:
-        known = _policies[path] = (model.profile, costs, costs.policy(model.profile))
+        known = _policies[id(model.profile)] = (model.profile, costs, costs.policy(model.profile))
     return known[2]

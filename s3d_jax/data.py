@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -228,24 +229,23 @@ def _epoch_order(rows: Rows, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(len(rows))
 
 
-def tokens_before(rows: Rows, batch_size: int, seed: int, position: int) -> int:
-    """The tokens (padding excluded) in `batches`' first `position` batches: what a resumed run has seen."""
-    per_epoch = len(rows) // batch_size
-    per_row = (rows.segment_ids > 0).sum(axis=1)
-    epochs, index = divmod(position, per_epoch) if per_epoch else (0, 0)
-    seen = sum(int(per_row[_epoch_order(rows, seed, e)[: per_epoch * batch_size]].sum()) for e in range(epochs))
-    return seen + int(per_row[_epoch_order(rows, seed, epochs)[: index * batch_size]].sum())
-
-
-def batches(rows: Rows, batch_size: int, seed: int, start: int = 0):
-    """Yields `(position, batch)` forever from batch number `start`: each epoch is a fresh fixed
-    permutation, so a resumed run continues where it stopped and sees no batch twice."""
+def _batch_indices(rows: Rows, batch_size: int, seed: int, position: int) -> np.ndarray:
+    """The rows of batch number `position`: each epoch is a fresh fixed permutation, cut into whole batches."""
     per_epoch = len(rows) // batch_size
     if per_epoch == 0:
         raise DataError(f"{len(rows)} training rows are fewer than one batch of {batch_size}")
-    position = start
-    while True:
-        epoch, index = divmod(position, per_epoch)
-        order = _epoch_order(rows, seed, epoch)
-        yield position, rows.take(order[index * batch_size : (index + 1) * batch_size])
-        position += 1
+    epoch, index = divmod(position, per_epoch)
+    return _epoch_order(rows, seed, epoch)[index * batch_size : (index + 1) * batch_size]
+
+
+def tokens_before(rows: Rows, batch_size: int, seed: int, position: int) -> int:
+    """The tokens (padding excluded) in `batches`' first `position` batches: what a resumed run has seen."""
+    per_row = (rows.segment_ids > 0).sum(axis=1)
+    return sum(int(per_row[_batch_indices(rows, batch_size, seed, p)].sum()) for p in range(position))
+
+
+def batches(rows: Rows, batch_size: int, seed: int, start: int = 0):
+    """Yields `(position, batch)` forever from batch number `start`, so that a resumed run continues
+    where it stopped and sees no batch twice."""
+    for position in itertools.count(start):
+        yield position, rows.take(_batch_indices(rows, batch_size, seed, position))

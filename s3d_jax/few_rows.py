@@ -236,13 +236,18 @@ def _kernel_jvp(primals, tangents):
     return _kernel(x, w), dx @ w + x @ dw
 
 
+def result_dtype(x, w, preferred_element_type=None):
+    """What a product of x and w returns: `preferred_element_type` where given, else their promoted type."""
+    return jnp.dtype(preferred_element_type or jnp.result_type(x, w))
+
+
 def tensordot(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
     """`jnp.tensordot` that accumulates 16-bit products in float32 and rounds once at the end.
 
     The numbers are those of a bfloat16 dot on any backend, but XLA's CPU has a fast bfloat16 kernel
     only for a float32 result: asked for a bfloat16 result it converts both operands to float32
     first, which made bfloat16 slower than float32 (docs/cpu.md, "bfloat16")."""
-    out_dtype = preferred_element_type or jnp.result_type(x, w)
+    out_dtype = result_dtype(x, w, preferred_element_type)
     if jnp.dtype(out_dtype).itemsize < 4 and jnp.issubdtype(out_dtype, jnp.floating):
         return jnp.tensordot(x, w, axes=n_in, precision=precision, preferred_element_type=jnp.float32).astype(out_dtype)
     return jnp.tensordot(x, w, axes=n_in, precision=precision, preferred_element_type=preferred_element_type)
@@ -256,4 +261,4 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
         return tensordot(x, w, n_in, precision, preferred_element_type)
     x_MK = x.reshape(math.prod(lead), math.prod(in_shape)).astype(jnp.float32)  # exact from bfloat16
     y = _kernel(x_MK, w.reshape(math.prod(in_shape), math.prod(out_shape)))
-    return y.reshape(*lead, *out_shape).astype(preferred_element_type or jnp.result_type(x, w))
+    return y.reshape(*lead, *out_shape).astype(result_dtype(x, w, preferred_element_type))

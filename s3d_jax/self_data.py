@@ -55,7 +55,8 @@ def answered_ids(out: Path) -> set[str]:
               file=sys.stderr)
         with out.open("r+b") as f:
             f.truncate(len(complete))
-    return {json.loads(line)["id"] for line in complete.decode().splitlines() if line.strip()}
+    # Split on newlines only: the replies are written unescaped, and may hold U+2028 or U+0085, which splitlines() splits on.
+    return {json.loads(line)["id"] for line in complete.decode().split("\n") if line.strip()}
 
 
 def generate(model, prompts: list[tuple[str, str]], out: Path, options: DecodeOptions, batch: int, progress: bool = True) -> dict:

@@ -64,3 +64,10 @@ def test_first_turns_skip_long_prompts_and_keep_file_order(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     prompts = self_data.first_turns(path, bundled.tokenizer(), max_prompt_tokens=50)
     assert prompts == [("a", "short one"), ("d", "another")]
+
+
+def test_resume_reads_replies_that_hold_unicode_line_separators(tmp_path):
+    out = tmp_path / "replies.jsonl"
+    replies = [{"id": "a", "conversations": [], "text": "one\u2028two\x85three\u2029"}, {"id": "b", "conversations": []}]
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in replies), encoding="utf-8")
+    assert self_data.answered_ids(out) == {"a", "b"}
