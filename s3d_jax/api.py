@@ -301,6 +301,20 @@ def plan_for(config: ModelConfig, options: DecodeOptions, policy: Policy | None 
     return Plan.make(config, options.method, gamma, skip, sampling, tree, lookup, min_certainty)
 
 
+def eos_ids_for(model: Model, options: DecodeOptions) -> tuple[int, ...]:
+    """The tokens that end a reply: the options', else the checkpoint's and the tokenizer's."""
+    cfg, eos_token_ids = model.config, options.eos_token_ids
+    if eos_token_ids is None:
+        eos_token_ids = set(cfg.eos_token_ids)
+        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+            eos_token_ids.add(model.tokenizer.eos_token_id)
+    for eos in eos_token_ids:
+        if eos >= cfg.vocab_size or eos == cfg.mask_token_id:
+            what = "the mask token, which is never emitted" if eos == cfg.mask_token_id else f"outside the vocabulary of {cfg.vocab_size}"
+            raise ValueError(f"eos token id {eos} is {what}")
+    return tuple(sorted(eos_token_ids))
+
+
 def prepare(
     params, prompt, options: DecodeOptions | None = None, *, config: ModelConfig | None = None, **overrides
 ) -> tuple[Model, decoding.Run, bool]:
@@ -312,15 +326,7 @@ def prepare(
     policy = drafting_policy(model, options)
     plan = plan_for(cfg, options, policy)
     max_new_tokens = options.max_new_tokens
-    eos_token_ids = options.eos_token_ids
-    if eos_token_ids is None:
-        eos_token_ids = set(cfg.eos_token_ids)
-        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
-            eos_token_ids.add(model.tokenizer.eos_token_id)
-    for eos in eos_token_ids:
-        if eos >= cfg.vocab_size or eos == cfg.mask_token_id:
-            what = "the mask token, which is never emitted" if eos == cfg.mask_token_id else f"outside the vocabulary of {cfg.vocab_size}"
-            raise ValueError(f"eos token id {eos} is {what}")
+    eos_token_ids = eos_ids_for(model, options)
     ids, batched = encode(model, prompt, options.chat)
     lengths = np.array([len(row) for row in ids])
     padded_len = bucket(int(lengths.max()))
@@ -343,7 +349,7 @@ def prepare(
     prompts = np.zeros((len(ids), padded_len), np.int32)
     for b, row in enumerate(ids):
         prompts[b, : len(row)] = row
-    run = decoding.Run(model.params, cfg, plan, prompts, lengths, max_new_tokens, tuple(sorted(eos_token_ids)), options.seed, max_len,
+    run = decoding.Run(model.params, cfg, plan, prompts, lengths, max_new_tokens, eos_token_ids, options.seed, max_len,
                        policy="" if policy is None else policy.describe())
     return model, run, batched
 

@@ -270,13 +270,19 @@ class Run:
             jax.random.key(self.seed),
         )
 
+    def _prefill_executable(self):
+        return compiled(_prefill_jit, *self._prefill_args(), config=self.config, sampling=self.plan.sampling, reach=self.plan.reach,
+                        max_len=self.max_len)
+
+    def prefill(self) -> DecodeState:
+        """The prefill alone, for a caller that runs the rows in a loop of its own (`serve.engine`)."""
+        return self._prefill_executable()[0](*self._prefill_args())
+
     def compile(self) -> None:
         if self._executables is not None:
             return
         statics = dict(config=self.config, plan=self.plan)
-        args = self._prefill_args()
-        prefill_exe, prefill_seconds = compiled(_prefill_jit, *args, config=self.config, sampling=self.plan.sampling,
-                                                reach=self.plan.reach, max_len=self.max_len)
+        prefill_exe, prefill_seconds = self._prefill_executable()
         # The loop state's shapes, read off the executable rather than traced a second time.
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prefill_exe.out_info)
         stop = jax.ShapeDtypeStruct((), jnp.int32)

@@ -1,0 +1,347 @@
+"""Continuous batching: one decode loop over a fixed batch of slots, shared by many requests.
+
+A lane is one compiled loop (`decoding.advance`) over `slots` rows of one sampling setting. An empty
+slot is a finished row, which every iteration leaves unchanged. Between chunks of iterations the
+engine's thread reads back each row's tokens, hands new text to its request, frees the slots of
+finished or abandoned requests, and prefills waiting requests into free slots: a prompt runs alone
+through the full model (compiled once per prompt-length bucket) and its row is written into the
+lane's state in place (compiled once). The loop itself never recompiles, whatever mix of lengths runs.
+
+A row's tokens do not depend on its neighbours: every kind of iteration the batch takes is exact, so a
+greedy request decodes to what it would alone. Sampling settings are static in the compiled loop, so
+requests that sample differently run in different lanes (at most `max_lanes` at a time).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from s3d_jax import api, decoding
+from s3d_jax.checkpoint import Model
+from s3d_jax.options import DecodeOptions
+from s3d_jax.sampling import Sampling
+from s3d_jax.speculative import Plan
+
+# A row's own fields; the rest (eos ids, rng, iteration count) the lane's rows share.
+ROW_FIELDS = ("tokens", "cache", "prompt_lengths", "num_generated", "done", "max_new_tokens", "accept_histogram", "branch_only",
+              "certainty", "plain_steps")
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting list is full: the client should retry later."""
+
+
+@dataclasses.dataclass
+class Delta:
+    """What a request gets after each chunk: its new text and tokens, and at the end why it finished."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class Request:
+    """One completion. `deliver` is called from the engine's thread with each Delta, the last one finished."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    deliver: Callable[[Delta], None]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # The engine's bookkeeping.
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
+    sent_text: str = ""
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, 0, self.top_p if self.temperature else 1.0)
+
+
+def _insert(state: decoding.DecodeState, row: decoding.DecodeState, slot, reseed: bool) -> decoding.DecodeState:
+    """`state` with slot `slot` replaced by the one-row state `row`; `reseed` takes the row's random key
+    (a lane with no other request), so that a seeded request alone is reproducible."""
+    def put(full, one):
+        return jax.lax.dynamic_update_slice_in_dim(full, one.astype(full.dtype), slot, axis=0)
+
+    rows = {f: jax.tree.map(put, getattr(state, f), getattr(row, f)) for f in ROW_FIELDS}
+    return state.replace(rng=row.rng if reseed else state.rng, **rows)
+
+
+def _free(state: decoding.DecodeState, slot) -> decoding.DecodeState:
+    return state.replace(done=state.done.at[slot].set(True))
+
+
+_insert_jit = jax.jit(_insert, static_argnames="reseed", donate_argnames="state")
+_free_jit = jax.jit(_free, donate_argnames="state")
+
+
+class Lane:
+    """`slots` rows of one plan in one donated loop state, and the request in each slot."""
+
+    def __init__(self, model: Model, plan: Plan, slots: int, max_len: int, eos_ids: tuple[int, ...], policy: str = ""):
+        self.model, self.plan, self.max_len, self.eos_ids, self.policy = model, plan, max_len, eos_ids, policy
+        self.requests: list[Request | None] = [None] * slots
+        # Empty slots: one-token prompts with room for none, finished from the start.
+        self.run = self._run(np.zeros((slots, 1), np.int64), max_new_tokens=0, seed=0)
+        self.state = self.run.start()
+        self.iteration = 0
+
+    def _run(self, prompts, max_new_tokens: int, seed: int) -> decoding.Run:
+        padded = np.zeros((len(prompts), api.bucket(prompts.shape[1])), np.int32)
+        padded[:, : prompts.shape[1]] = prompts
+        return decoding.Run(self.model.params, self.model.config, self.plan, padded, np.full(len(prompts), prompts.shape[1]),
+                            max_new_tokens, self.eos_ids, seed, self.max_len)
+
+    @property
+    def active(self) -> list[int]:
+        return [i for i, r in enumerate(self.requests) if r is not None]
+
+    def free_slot(self) -> int | None:
+        return next((i for i, r in enumerate(self.requests) if r is None), None)
+
+    def prefill(self, request: Request) -> decoding.DecodeState:
+        """The request's prompt through the full model, alone: a one-row state with its first token."""
+        return self._run(np.asarray([request.prompt_ids]), request.max_new_tokens, request.seed).prefill()
+
+    def insert(self, request: Request, row: decoding.DecodeState, slot: int) -> int:
+        """Writes the prefilled `row` into `slot`; returns the request's first token."""
+        self.state = _insert_jit(self.state, row, jnp.asarray(slot, jnp.int32), reseed=not self.active)
+        self.requests[slot] = request
+        return int(row.tokens[0, len(request.prompt_ids)])
+
+    def free(self, slot: int) -> None:
+        self.state = _free_jit(self.state, jnp.asarray(slot, jnp.int32))
+        self.requests[slot] = None
+
+    def advance(self, iterations: int):
+        """Runs up to `iterations` iterations; returns (tokens, generated counts, done flags, acceptance histograms) per row."""
+        self.state = self.run.advance(self.state, self.iteration + iterations)
+        tokens, generated, done, histogram, iteration = jax.device_get(
+            (self.state.tokens, self.state.num_generated, self.state.done, self.state.accept_histogram, self.state.iteration))
+        self.iteration = int(iteration)
+        return tokens, generated, done, histogram
+
+
+@dataclasses.dataclass
+class Totals:
+    """What the engine has done since it started, for /metrics."""
+
+    requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # by outcome
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    accept_histogram: np.ndarray | None = None  # summed over finished requests' rows
+
+
+class Engine:
+    """Requests in, Deltas out, on one background thread.
+
+    `options` are the server's decode defaults (method, γ, tree, ...); a request sets only what the
+    protocol lets it (length, temperature, top_p, seed, stop strings)."""
+
+    def __init__(self, model: Model, options: DecodeOptions | None = None, *, slots: int = 4, max_len: int = 2048,
+                 max_queue: int = 16, chunk_iterations: int = 4, max_lanes: int = 2):
+        if model.tokenizer is None:
+            raise ValueError("serving needs the model's tokenizer: its text in, text out")
+        self.model, self.options = model, options or DecodeOptions()
+        limit = model.config.max_position_embeddings
+        if max_len > limit:
+            raise ValueError(f"max_len {max_len} exceeds the model's context of {limit} positions")
+        self.slots, self.max_len, self.max_queue = slots, max_len, max_queue
+        self.chunk_iterations, self.max_lanes = chunk_iterations, max_lanes
+        self.eos_ids = api.eos_ids_for(model, self.options)
+        self.lanes: dict[Sampling, Lane] = {}
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.totals = Totals()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="s3d_jax-engine", daemon=True)
+
+    # ------------------------------------------------------------ the client side
+
+    @functools.cached_property
+    def block(self) -> int:
+        """Cache positions a request needs past its prompt and reply: the largest draft block of any lane."""
+        return max(self._plan(Sampling())[0].block, self._plan(Sampling(1.0))[0].block)
+
+    def room(self, prompt_tokens: int) -> int:
+        """The most new tokens a prompt of this length leaves room for; < 1: it does not fit."""
+        return self.max_len - prompt_tokens - self.block
+
+    def submit(self, request: Request) -> None:
+        if not request.prompt_ids:
+            raise ValueError("empty prompt: give at least one token")
+        if request.max_new_tokens < 1 or request.max_new_tokens > self.room(len(request.prompt_ids)):
+            raise ValueError(f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.max_new_tokens} + draft block "
+                             f"{self.block} does not fit the context window of {self.max_len} tokens")
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting, the most this server queues")
+            self.waiting.append(request)
+            self._cond.notify()
+
+    def start(self) -> Engine:
+        self.lane(Sampling())  # the greedy lane compiles before the first request
+        self._thread.start()
+        return self
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stops taking requests; with `drain`, finishes those waiting and in flight first."""
+        with self._cond:
+            self._stopping = True
+            if not drain:
+                for request in [*self.waiting, *(r for lane in self.lanes.values() for r in lane.requests if r is not None)]:
+                    request.cancelled.set()
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def occupancy(self) -> tuple[int, int]:
+        """(busy slots, all slots) over the lanes."""
+        lanes = list(self.lanes.values())
+        return sum(len(lane.active) for lane in lanes), self.slots * max(1, len(lanes))
+
+    # ------------------------------------------------------------ the engine's thread
+
+    def _plan(self, sampling: Sampling) -> tuple[Plan, str]:
+        options = self.options.replace(temperature=sampling.temperature, top_p=sampling.top_p)
+        policy = api.drafting_policy(self.model, options)
+        return api.plan_for(self.model.config, options, policy), "" if policy is None else policy.describe()
+
+    def lane(self, sampling: Sampling) -> Lane | None:
+        """The lane of `sampling`, made if there is room (an idle lane of another setting is dropped); else None."""
+        if sampling in self.lanes:
+            return self.lanes[sampling]
+        if len(self.lanes) >= self.max_lanes:
+            idle = next((s for s, lane in self.lanes.items() if not lane.active), None)  # rebuilt from cached executables
+            if idle is None:
+                return None
+            del self.lanes[idle]
+        plan, policy = self._plan(sampling)
+        self.lanes[sampling] = Lane(self.model, plan, self.slots, self.max_len, self.eos_ids, policy)
+        return self.lanes[sampling]
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self.waiting and not self._busy():
+                    self._cond.wait()
+                if self._stopping and not self.waiting and not self._busy():
+                    return
+                waiting = list(self.waiting)
+            self._admit(waiting)
+            for sampling, lane in list(self.lanes.items()):
+                if lane.active:
+                    self._step(sampling, lane)
+
+    def _busy(self) -> bool:
+        return any(lane.active for lane in self.lanes.values())
+
+    def _admit(self, waiting: list[Request]) -> None:
+        """Prefills waiting requests into free slots, oldest first; a request whose lane is full waits."""
+        for request in waiting:
+            if request.cancelled.is_set():
+                self._dequeue(request)
+                self._finish(request, Delta("", [], "cancelled"), outcome="cancelled")
+                continue
+            try:
+                lane = self.lane(request.sampling)
+                slot = None if lane is None else lane.free_slot()
+                if slot is None:
+                    continue
+                self._dequeue(request)
+                row = lane.prefill(request)
+            except Exception as e:  # noqa: BLE001 - a failed prefill fails its request, not the server
+                if request in self.waiting:
+                    self._dequeue(request)
+                self._finish(request, Delta("", [], "error", error=f"prefill failed: {type(e).__name__}: {e}"), outcome="error")
+                continue
+            try:
+                first = lane.insert(request, row, slot)
+                self._emit(lane, slot, [first], done=first in self.eos_ids or request.max_new_tokens <= 1)
+            except Exception as e:  # noqa: BLE001 - the lane's donated state is gone: its requests fail
+                self._fail_lane(request.sampling, f"decoding failed: {type(e).__name__}: {e}", also=request)
+
+    def _dequeue(self, request: Request) -> None:
+        with self._cond:
+            self.waiting.remove(request)
+
+    def _step(self, sampling: Sampling, lane: Lane) -> None:
+        start = time.perf_counter()
+        try:
+            tokens, generated, done, histogram = lane.advance(self.chunk_iterations)
+            self.totals.decode_seconds += time.perf_counter() - start
+            for slot in lane.active:
+                request = lane.requests[slot]
+                start_at = len(request.prompt_ids)
+                new = tokens[slot, start_at + len(request.tokens) : start_at + generated[slot]].tolist()
+                if self._emit(lane, slot, new, done=bool(done[slot])) and not request.cancelled.is_set():
+                    self._count_acceptance(histogram[slot])
+        except Exception as e:  # noqa: BLE001 - the lane's requests fail; the server goes on, with a fresh lane when one is needed
+            self._fail_lane(sampling, f"decoding failed: {type(e).__name__}: {e}")
+
+    def _fail_lane(self, sampling: Sampling, message: str, also: Request | None = None) -> None:
+        lane = self.lanes.pop(sampling)
+        for request in {id(r): r for r in [*lane.requests, also] if r is not None}.values():
+            self._finish(request, Delta("", [], "error", error=message), outcome="error")
+
+    def _emit(self, lane: Lane, slot: int, new_tokens: list[int], done: bool) -> bool:
+        """Hands a request its new text; frees its slot when it is finished, stopped or abandoned."""
+        request = lane.requests[slot]
+        if request.cancelled.is_set():
+            lane.free(slot)
+            self._finish(request, Delta("", [], "cancelled"), outcome="cancelled")
+            return True
+        request.tokens.extend(new_tokens)
+        all_tokens = request.tokens
+        text = self.model.tokenizer.decode(all_tokens, skip_special_tokens=True)
+        finish = None
+        cut = min((i for i in (text.find(s) for s in request.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, finish = text[:cut], "stop"
+        elif done:
+            finish = "stop" if all_tokens and all_tokens[-1] in self.eos_ids else "length"
+        elif text.endswith("\ufffd"):  # a character cut between tokens: wait for the rest
+            text = request.sent_text
+        else:  # hold back what could be the start of a stop string
+            hold = max((len(s) - 1 for s in request.stop), default=0)
+            text = text[: max(len(request.sent_text), len(text) - hold)]
+        delta = Delta(text[len(request.sent_text):], new_tokens, finish, len(request.prompt_ids), len(all_tokens))
+        request.sent_text = text
+        self.totals.generated_tokens += len(new_tokens)
+        if finish is None:
+            request.deliver(delta)
+            return False
+        lane.free(slot)
+        self._finish(request, delta, outcome="ok")
+        return True
+
+    def _count_acceptance(self, histogram: np.ndarray) -> None:
+        totals = self.totals
+        if totals.accept_histogram is None or len(totals.accept_histogram) < len(histogram):
+            grown = np.zeros(len(histogram), np.int64)
+            if totals.accept_histogram is not None:
+                grown[: len(totals.accept_histogram)] = totals.accept_histogram
+            totals.accept_histogram = grown
+        totals.accept_histogram[: len(histogram)] += histogram
+
+    def _finish(self, request: Request, delta: Delta, outcome: str) -> None:
+        self.totals.requests[outcome] += 1
+        request.deliver(delta)
