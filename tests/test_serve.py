@@ -45,8 +45,10 @@ def free_port() -> int:
 
 
 def start_server(model_dir, *extra) -> tuple[subprocess.Popen, str]:
+    """The server on a free port (the bundled model where `model_dir` is None), once it answers /health."""
     port = free_port()
-    command = [sys.executable, "-m", "s3d_jax.serve", "--model", str(model_dir), "--port", str(port), "--max-batch", str(SLOTS),
+    model = ["--model", str(model_dir)] if model_dir else []
+    command = [sys.executable, "-m", "s3d_jax.serve", *model, "--port", str(port), "--max-batch", str(SLOTS),
                "--max-queue", str(QUEUE), "--max-len", str(MAX_LEN), "--max-new-tokens", "24", *extra]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -239,3 +241,26 @@ def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(monkeypatch
 def metrics_from(text: str) -> dict:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
+
+
+@pytest.mark.slow
+def test_bundled_model_served_concurrently_equals_plain_greedy_alone():
+    """SmolLM2 with its drafter and calibrated policy, four chats at once in four slots: each reply is
+    plain greedy decoding's for that chat alone, token for token."""
+    chats = ["What is the capital of France?", "Write a Python function that returns the n-th Fibonacci number.",
+             "Give me three tips for sleeping better.", "Explain what a hash table is, briefly."]
+    process, url = start_server(None, "--max-batch", "4", "--max-len", "512")
+    try:
+        c, name = client(url), client(url).models.list().data[0].id
+
+        def ask(chat):
+            reply = c.chat.completions.create(model=name, messages=[{"role": "user", "content": chat}], max_tokens=48)
+            return reply.choices[0].message.content
+
+        with concurrent.futures.ThreadPoolExecutor(len(chats)) as pool:
+            served = list(pool.map(ask, chats))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+    plain = s3d_jax.decode(s3d_jax.load(), chats, chat=True, method="ar", max_new_tokens=48)
+    assert served == plain.text
