@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import bundled, calibration, checkpoint, decoding
+from s3d_jax import bundled, calibration, checkpoint, decoding, sharding
 from s3d_jax import drafter as drafter_lib
 from s3d_jax.checkpoint import Model
 from s3d_jax.config import ConfigError, ModelConfig, validate_skip
@@ -32,20 +32,30 @@ def load(
     dtype: str | None = None,
     drafter: str | os.PathLike | None = BUNDLED_DRAFTER,
     draft_vocab_size: int | None = None,
+    mesh: jax.sharding.Mesh | str | None = None,
 ) -> Model:
     """Loads a converted model; with no path, the bundled SmolLM2-135M-Instruct (converted on first use).
 
     `drafter` is a drafter file to apply (see `s3d_jax.drafter`), or None for the bare model. Its default
     applies the drafter shipped for the bundled model, and nothing to a model loaded from a path.
-    `draft_vocab_size` overrides the drafter's reduced draft head: N most frequent tokens, 0 for all."""
+    `draft_vocab_size` overrides the drafter's reduced draft head: N most frequent tokens, 0 for all.
+    `mesh` (a Mesh with a `model` axis, or text such as "model=4") splits the model over devices,
+    tensor-parallel; decoding then runs over them with the same outputs (docs/usage.md, "Several devices")."""
     if drafter is not None and not isinstance(drafter, (str, os.PathLike)):
         raise TypeError(f"drafter must be a path to a drafter file or None, got {type(drafter).__name__}")
     if drafter == BUNDLED_DRAFTER:
         drafter = bundled.DRAFTER if path is None and bundled.DRAFTER.is_file() else None
     if drafter is None and draft_vocab_size:
         raise ValueError("draft_vocab_size needs a drafter, whose token ranking it reads")
-    model = bundled.load(dtype) if path is None else checkpoint.load(path, dtype)
-    return model if drafter is None else drafter_lib.apply(model, drafter, draft_vocab_size)
+    mesh = sharding.decode_mesh(mesh)
+    if mesh is not None:  # before any weight is read, so that a mesh the model cannot use costs nothing
+        sharding.check_divides(checkpoint.load_config(bundled.ensure_converted() if path is None else path), mesh)
+    model = bundled.load(dtype, mesh) if path is None else checkpoint.load(path, dtype, mesh)
+    if drafter is not None:
+        model = drafter_lib.apply(model, drafter, draft_vocab_size)
+    if mesh is not None:  # the drafter's arrays, made on one device, join the layout
+        model = dataclasses.replace(model, params=sharding.place(model.params, model.config, mesh))
+    return model
 
 
 def token_array(token_ids, config: ModelConfig) -> np.ndarray:
@@ -355,13 +365,13 @@ def prepare(
 
 
 def _collect(state: decoding.DecodeState, run: decoding.Run) -> list[list[int]]:
-    tokens, starts, counts = jax.device_get((state.tokens, state.prompt_lengths, state.num_generated))
+    tokens, starts, counts = sharding.to_host((state.tokens, state.prompt_lengths, state.num_generated))
     return [tokens[b, s : s + c].tolist() for b, (s, c) in enumerate(zip(starts, counts))]
 
 
 def _output(model: Model, run: decoding.Run, state, batched: bool, seconds: float) -> DecodeOutput:
     tokens = _collect(state, run)
-    hist, branch_only, plain_steps = jax.device_get((state.accept_histogram, state.branch_only, state.plain_steps))
+    hist, branch_only, plain_steps = sharding.to_host((state.accept_histogram, state.branch_only, state.plain_steps))
     stats = DecodeStats(
         method=run.plan.method,
         gamma=run.plan.gamma,

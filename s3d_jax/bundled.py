@@ -46,8 +46,8 @@ def ensure_converted() -> Path:
     return target
 
 
-def load(dtype: str | None = None) -> Model:
-    return checkpoint.load(ensure_converted(), dtype)
+def load(dtype: str | None = None, mesh=None) -> Model:
+    return checkpoint.load(ensure_converted(), dtype, mesh)
 
 
 def tokenizer():

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from s3d_jax import few_rows, tree
+from s3d_jax import few_rows, sharding, tree
 from s3d_jax.cache import KVCache
 from s3d_jax.checkpoint import Model
 from s3d_jax.decoding import compile_ahead
@@ -159,10 +159,14 @@ def machine() -> str:
 def cache_file(model: Model):
     c = model.config
     drafter = {"skip": c.draft_skip, "gamma": c.draft_gamma, "lora_rank": c.draft_lora_rank, "draft_vocab": c.draft_vocab_size}
-    key = json.dumps({"machine": machine(), "model": c.replace(draft_skip=None, draft_gamma=None, draft_lora_rank=0,
-                                                               draft_vocab_size=0, draft_tree=0).to_json(),
-                      "drafter": drafter, "sizes": TREE_SIZES, "context": CONTEXT,
-                      "kernel": few_rows.build_id() if few_rows.switched_on() else None}, sort_keys=True, default=str)
+    fields = {"machine": machine(), "model": c.replace(draft_skip=None, draft_gamma=None, draft_lora_rank=0, draft_vocab_size=0,
+                                                      draft_tree=0).to_json(),
+              "drafter": drafter, "sizes": TREE_SIZES, "context": CONTEXT,
+              "kernel": few_rows.build_id() if few_rows.switched_on() else None}
+    mesh = sharding.mesh_shape(model.params)
+    if mesh:  # a model split over devices has costs of its own
+        fields["mesh"] = mesh
+    key = json.dumps(fields, sort_keys=True, default=str)
     return cache_root() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 

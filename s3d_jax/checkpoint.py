@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from safetensors.numpy import save_file
 
+from s3d_jax import sharding
 from s3d_jax.config import DTYPES, ConfigError, ModelConfig
 from s3d_jax.model import abstract_params, cast_dtype
 
@@ -141,7 +142,9 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"{path / CONFIG_FILE} is not a valid model config: {e}") from None
 
 
-def load(path: str | os.PathLike, dtype: str | None = None) -> Model:
+def load(path: str | os.PathLike, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None) -> Model:
+    """A converted model: its params (cast to `dtype`), config and tokenizer. With a `mesh`, each device
+    reads only its own part of each weight (`sharding.shardings`); `sharding.place` finishes the layout."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"a model path must be a str or os.PathLike, got {type(path).__name__}")
     if dtype is not None and dtype not in DTYPES:
@@ -157,9 +160,10 @@ def load(path: str | os.PathLike, dtype: str | None = None) -> Model:
             # A sharding on the target makes orbax restore device arrays, not numpy copies; a dtype
             # on it casts while reading, so the stored dtype is never held whole beside the new one.
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            placement = jax.tree.map(lambda _: device, expected) if mesh is None else sharding.decode_shardings(expected, config, mesh)
             target = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, cast_dtype(x.dtype, DTYPES[dtype]) if dtype else x.dtype, sharding=device), expected
-            )
+                lambda x, where: jax.ShapeDtypeStruct(x.shape, cast_dtype(x.dtype, DTYPES[dtype]) if dtype else x.dtype, sharding=where),
+                expected, placement)
             params = ckptr.restore(path / PARAMS_DIR, target)
     except CheckpointError:
         raise

@@ -201,16 +201,32 @@ _executables: collections.OrderedDict = collections.OrderedDict()
 _compiles = 0
 
 
+def placement(x):
+    """Where an array lies (its sharding), or None for a value not yet on a device."""
+    return getattr(x, "sharding", None)
+
+
+def sharded(args) -> bool:
+    """Whether any array of `args` is split or copied over several devices (a model loaded with a mesh)."""
+    return any(p is not None and len(p.device_set) > 1 for p in map(placement, jax.tree.leaves(args)))
+
+
+def kernel_applies(args) -> bool:
+    """The few-row kernel is one device's custom call, which XLA's partitioner cannot split: a sharded
+    model's passes use XLA's dot."""
+    return few_rows.switched_on() and not sharded(args)
+
+
 def compile_ahead(fn, *args, few_row_passes: bool = False, **statics):
-    """`fn` (jitted, taking a static `few_row_kernel`) lowered and compiled for the shapes of `args`;
-    returns (executable, seconds). Every decode executable is compiled here, so the few-row kernel's
-    switch, the CPU options of passes of a few rows per sequence (`few_row_passes`: the loop and the
-    pass timings) and the heap trim apply alike to each."""
+    """`fn` (jitted, taking a static `few_row_kernel`) lowered and compiled for the shapes and placements
+    of `args`; returns (executable, seconds). Every decode executable is compiled here, so the few-row
+    kernel's switch, the CPU options of passes of a few rows per sequence (`few_row_passes`: the loop
+    and the pass timings) and the heap trim apply alike to each."""
     global _compiles
     few_rows.prepare()
     start = time.perf_counter()
     options = cpu.few_row_compiler_options() if few_row_passes else None
-    executable = fn.lower(*args, few_row_kernel=few_rows.switched_on(), **statics).compile(options)
+    executable = fn.lower(*args, few_row_kernel=kernel_applies(args), **statics).compile(options)
     seconds = time.perf_counter() - start
     _compiles += 1
     cpu.release_freed_memory()
@@ -218,9 +234,9 @@ def compile_ahead(fn, *args, few_row_passes: bool = False, **statics):
 
 
 def compiled(fn, *args, few_row_passes: bool = False, **statics):
-    """`compile_ahead`, cached on the shapes of `args`, the statics and the kernel's switch."""
+    """`compile_ahead`, cached on the shapes and placements of `args`, the statics and the kernel's switch."""
     leaves, treedef = jax.tree.flatten(args)
-    shapes = tuple((tuple(x.shape), x.dtype) for x in leaves)
+    shapes = tuple((tuple(x.shape), x.dtype, placement(x)) for x in leaves)
     key = (fn, tuple(sorted(statics.items())), treedef, shapes, few_row_passes, few_rows.switched_on())
     if key in _executables:
         _executables.move_to_end(key)
@@ -284,7 +300,7 @@ class Run:
         statics = dict(config=self.config, plan=self.plan)
         prefill_exe, prefill_seconds = self._prefill_executable()
         # The loop state's shapes, read off the executable rather than traced a second time.
-        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prefill_exe.out_info)
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement(x)), prefill_exe.out_info)
         stop = jax.ShapeDtypeStruct((), jnp.int32)
         advance_exe, advance_seconds = compiled(_advance_jit, self.params, state, stop, few_row_passes=self.few_row_passes, **statics)
         self._executables = (prefill_exe, advance_exe)

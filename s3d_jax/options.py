@@ -158,9 +158,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft over the drafter's N most frequent tokens (0: the full vocabulary; default: the drafter's)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="cast the weights on loading (default: the checkpoint's own)")
+    parser.add_argument("--mesh", default=None, metavar="model=N[,data=M]",
+                        help="split the model over N devices, tensor-parallel (default: one device)")
 
 
 def load_arguments(args: argparse.Namespace) -> dict:
     """`s3d_jax.load` keywords from `add_model_arguments` flags (plain values: a benchmark sends them to a child)."""
     return {"path": args.model, "drafter": None if args.drafter == "none" else args.drafter, "draft_vocab_size": args.draft_vocab,
-            "dtype": args.dtype}
+            "dtype": args.dtype, "mesh": args.mesh}

@@ -1,7 +1,9 @@
 """Device mesh and parameter shardings: a `data` axis (batch, and FSDP when on) and a `model` axis.
 
-Shardings come from a table of rules over parameter paths; an axis that does not divide its
-dimension is replicated, so every rule holds for every model size.
+Shardings come from a table of rules over parameter paths. For training an axis that does not divide
+its dimension is replicated, so every rule holds for every model size. For decoding (`place`) the
+model axis must divide the heads and the MLP's width: tensor parallelism in Megatron's layout, with
+every device holding 1/N of each large weight.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ import re
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from s3d_jax.config import ConfigError
+from s3d_jax.config import ConfigError, ModelConfig
 
 # Preferred axes per parameter, by the tail of its path: "fsdp" shards over the data axis when FSDP is on.
 SHARDING_RULES = [
@@ -71,3 +74,80 @@ def maybe_initialize_distributed() -> None:
     cluster = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES")
     if any(os.environ.get(k) for k in cluster) and int(os.environ.get("SLURM_NTASKS", "2")) > 1:
         jax.distributed.initialize()
+
+
+# ---------------------------------------------------------------- decoding over a mesh
+
+
+def decode_mesh(mesh) -> jax.sharding.Mesh | None:
+    """A decoding mesh from a Mesh, None, or text such as "model=4" or "model=2,data=2" (the CLIs' --mesh),
+    over the first devices; multi-host runs join their cluster first (`maybe_initialize_distributed`)."""
+    if mesh is None or isinstance(mesh, jax.sharding.Mesh):
+        if mesh is not None and "model" not in mesh.shape:
+            raise ConfigError(f"a decoding mesh needs a 'model' axis (and optionally 'data'), got axes {tuple(mesh.shape)}")
+        return mesh
+    if not isinstance(mesh, str):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, text such as 'model=2', or None; got {type(mesh).__name__}")
+    sizes = {"data": 1, "model": 1}
+    for part in filter(None, mesh.replace(" ", "").split(",")):
+        name, _, value = part.partition("=")
+        if name not in sizes or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"mesh {mesh!r}: expected axes model=N and optionally data=M with N, M >= 1, got {part!r}")
+        sizes[name] = int(value)
+    maybe_initialize_distributed()
+    needed, available = sizes["data"] * sizes["model"], jax.device_count()
+    if needed > available:
+        raise ConfigError(f"mesh {mesh!r} needs {needed} devices and {available} are available")
+    devices = np.asarray(jax.devices()[:needed]).reshape(sizes["data"], sizes["model"])
+    return jax.sharding.Mesh(devices, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def check_divides(config: ModelConfig, mesh: jax.sharding.Mesh) -> None:
+    """Refuses a model axis that does not split the heads, the key/value heads or the MLP's width evenly."""
+    n = mesh.shape["model"]
+    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+        size = getattr(config, name)
+        if size % n:
+            raise ConfigError(f"the mesh's model axis of {n} devices does not divide the model's {name} of {size}: tensor "
+                              f"parallelism splits it evenly over the devices; choose a model axis that divides {size}")
+
+
+def decode_shardings(params, config: ModelConfig, mesh: jax.sharding.Mesh):
+    """Training's rules without FSDP, and the reduced draft head split like the vocabulary table. A table
+    whose tokens the model axis does not divide is split along the hidden size instead: no device holds a
+    whole copy, and no padding token changes the logits' shape (sampling's random draws depend on it)."""
+    n = mesh.shape["model"]
+
+    def spec(path, x):
+        name = jax.tree_util.keystr(path)
+        if re.search(r"\['(embed|lm_head|draft_head)'\]$", name):  # [hidden, tokens]
+            if x.shape[1] % n == 0:
+                return NamedSharding(mesh, P(None, "model"))
+            if config.hidden_size % n == 0:
+                return NamedSharding(mesh, P("model", None))
+            raise ConfigError(f"the mesh's model axis of {n} devices divides neither the {x.shape[1]} tokens of {name} nor the "
+                              f"hidden size of {config.hidden_size}: the table cannot be split evenly")
+        return NamedSharding(mesh, spec_for(name, x.shape, mesh.shape, fsdp=False))
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def place(params, config: ModelConfig, mesh: jax.sharding.Mesh):
+    """`params` laid out over `mesh` for decoding, tensor-parallel (`decode_shardings`)."""
+    check_divides(config, mesh)
+    return jax.device_put(params, decode_shardings(params, config, mesh))
+
+
+def mesh_shape(params) -> dict | None:
+    """The mesh `params` are laid out over, as {axis: size}, or None on one device."""
+    placed = next((x.sharding for x in jax.tree.leaves(params) if isinstance(getattr(x, "sharding", None), NamedSharding)), None)
+    return None if placed is None or placed.mesh.size == 1 else dict(placed.mesh.shape)
+
+
+def to_host(tree):
+    """Arrays as numpy on this host; on several hosts each gets the whole of every array."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)

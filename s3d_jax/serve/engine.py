@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import api, decoding
+from s3d_jax import api, decoding, sharding
 from s3d_jax.checkpoint import Model
 from s3d_jax.options import DecodeOptions
 from s3d_jax.sampling import Sampling
@@ -104,10 +104,17 @@ class Lane:
         self.iteration = 0
 
     def _run(self, prompts, max_new_tokens: int, seed: int) -> decoding.Run:
-        padded = np.zeros((len(prompts), api.bucket(prompts.shape[1])), np.int32)
+        padded = np.zeros((len(prompts), min(api.bucket(prompts.shape[1]), self.max_len)), np.int32)
         padded[:, : prompts.shape[1]] = prompts
         return decoding.Run(self.model.params, self.model.config, self.plan, padded, np.full(len(prompts), prompts.shape[1]),
                             max_new_tokens, self.eos_ids, seed, self.max_len)
+
+    def warm(self) -> None:
+        """Compiles the prefill of every prompt-length bucket now, so that no request waits for a compile."""
+        length = 1
+        while length < self.max_len:
+            self._run(np.zeros((1, length), np.int64), max_new_tokens=1, seed=0)._prefill_executable()
+            length = api.bucket(length) + 1
 
     @property
     def active(self) -> list[int]:
@@ -133,7 +140,7 @@ class Lane:
     def advance(self, iterations: int):
         """Runs up to `iterations` iterations; returns (tokens, generated counts, done flags, acceptance histograms) per row."""
         self.state = self.run.advance(self.state, self.iteration + iterations)
-        tokens, generated, done, histogram, iteration = jax.device_get(
+        tokens, generated, done, histogram, iteration = sharding.to_host(
             (self.state.tokens, self.state.num_generated, self.state.done, self.state.accept_histogram, self.state.iteration))
         self.iteration = int(iteration)
         return tokens, generated, done, histogram
@@ -198,8 +205,11 @@ class Engine:
             self.waiting.append(request)
             self._cond.notify()
 
-    def start(self) -> Engine:
-        self.lane(Sampling())  # the greedy lane compiles before the first request
+    def start(self, warm: bool = True) -> Engine:
+        """Compiles the greedy lane (with `warm`, its prefill for every prompt bucket too), then starts the thread."""
+        lane = self.lane(Sampling())
+        if warm:
+            lane.warm()
         self._thread.start()
         return self
 

@@ -1,0 +1,74 @@
+"""Run by tests/test_sharded_decoding.py in a process of its own with several simulated CPU devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=N): decodes on one device, then over each mesh,
+and prints what matched as one JSON line. A model directory (argv[1]) or a family of tiny random models."""
+
+import json
+import sys
+
+import jax
+import numpy as np
+from reference import tiny_model
+
+import s3d_jax
+from s3d_jax import checkpoint
+
+# Families: heads and key/value heads chosen so that some mesh sizes divide them and others do not.
+FAMILIES = {
+    "llama": dict(num_heads=8, num_kv_heads=4, head_dim=8, hidden_size=32, intermediate_size=96, vocab_size=98, mask_token_id=97),
+    "qwen3": dict(architecture="qwen3", num_heads=12, num_kv_heads=6, head_dim=8, hidden_size=48, intermediate_size=96, vocab_size=98,
+                  mask_token_id=97, qk_norm=True, tie_embeddings=True),
+    "gemma2": dict(architecture="gemma2", num_heads=6, num_kv_heads=3, head_dim=8, hidden_size=48, intermediate_size=96, vocab_size=98,
+                   mask_token_id=97, post_norms=True, norm_plus_one=True, scale_embeddings=True, attn_softcap=50.0, final_softcap=30.0,
+                   hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=8, tie_embeddings=True),
+}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 3, 4, 2]]
+METHODS = {"ar": dict(method="ar"), "s3d_tree": dict(), "s3d_chain": dict(tree=0), "selfspec": dict(method="selfspec"),
+           "sampled": dict(temperature=0.8, top_p=0.9, seed=3)}
+
+
+def outputs(model, prompts, new_tokens: int, methods) -> dict:
+    found = {name: s3d_jax.decode(model, prompts, max_new_tokens=new_tokens, **kw).tokens for name, kw in methods.items()}
+    found["streamed"] = list(s3d_jax.stream(model, prompts, max_new_tokens=new_tokens, chunk_iterations=2, **methods["ar"]))[-1].tokens
+    return found
+
+
+def per_device_bytes(params) -> list[int]:
+    held = np.zeros(jax.device_count(), np.int64)
+    for x in jax.tree.leaves(params):
+        for shard in x.addressable_shards:
+            held[shard.device.id] += shard.data.nbytes
+    return held.tolist()
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    if spec.get("model_dir"):
+        load = dict(path=spec["model_dir"], drafter=spec.get("drafter"))
+        one = s3d_jax.load(**load)
+        prompts = [[{"role": "user", "content": c}] for c in spec["chats"]]
+        methods = {"ar": dict(method="ar", chat=True), "s3d": dict(chat=True)}
+    else:
+        model = tiny_model(seed=2, **FAMILIES[spec["family"]])
+        one = s3d_jax.Model(model.params, model.config.replace(draft_skip=(1, 2), draft_gamma=3, draft_tree=4))
+        path = checkpoint.save(spec["tmp"], one.params, one.config)
+        load, prompts = dict(path=str(path), drafter=None), PROMPTS
+        methods = {k: METHODS[k] for k in spec.get("methods", METHODS)}
+    reference = outputs(one, prompts, spec["new_tokens"], methods)
+    report = {}
+    for n in spec["meshes"]:
+        try:
+            sharded = s3d_jax.load(**load, mesh=f"model={n}")
+        except ValueError as e:
+            report[n] = {"refused": str(e)}
+            continue
+        got = outputs(sharded, prompts, spec["new_tokens"], methods)
+        logits_one = np.asarray(s3d_jax.logits(one, PROMPTS[0]))
+        logits_sharded = np.asarray(s3d_jax.logits(sharded, PROMPTS[0]))
+        report[n] = {"differ": [k for k in reference if got[k] != reference[k]],
+                     "logits_max_diff": float(np.max(np.abs(logits_one - logits_sharded))),
+                     "bytes": per_device_bytes(sharded.params), "total": int(sum(x.nbytes for x in jax.tree.leaves(one.params)))}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

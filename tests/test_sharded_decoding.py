@@ -1,0 +1,78 @@
+"""Decoding over a device mesh, tensor-parallel, on simulated CPU devices: every method's output equals
+one device's, each device holds its share of the weights, and a mesh the model cannot split is refused.
+
+Each case runs `sharded_child.py` in a process of its own, started with the device count it needs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from s3d_jax import bundled, sharding
+from s3d_jax.config import ConfigError
+from s3d_jax.model import abstract_params
+from s3d_jax.shapes import shape_config
+
+HERE = Path(__file__).parent
+
+
+def run_child(spec: dict, devices: int) -> dict:
+    # S3D's fixed defaults: a calibration would time the sharded passes, a minute that checks nothing here.
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "S3D_JAX_CALIBRATE": "0"}
+    result = subprocess.run([sys.executable, str(HERE / "sharded_child.py"), json.dumps(spec)], capture_output=True, text=True,
+                            env=env, cwd=HERE, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {int(k): v for k, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}
+
+
+@pytest.mark.parametrize(("family", "methods", "divides", "refused"), [
+    ("llama", ["ar", "s3d_tree", "s3d_chain", "selfspec", "sampled"], (1, 2, 4), {3: "num_heads of 8"}),
+    ("qwen3", ["ar", "s3d_tree", "sampled"], (2, 3), {4: "num_kv_heads of 6"}),
+    ("gemma2", ["ar", "s3d_tree", "sampled"], (3,), {2: "num_kv_heads of 3", 4: "num_heads of 6"}),
+])
+def test_every_method_decodes_over_a_mesh_as_on_one_device(tmp_path, family, methods, divides, refused):
+    """Plain, S3D's chain and tree, self-speculative and seeded sampling: the same tokens as on one device."""
+    spec = {"family": family, "tmp": str(tmp_path / family), "meshes": sorted([*divides, *refused]), "new_tokens": 12, "methods": methods}
+    report = run_child(spec, devices=4)
+    for n in divides:
+        assert report[n]["differ"] == [], (n, report[n])
+        assert report[n]["logits_max_diff"] < 1e-4
+        held = [b for b in report[n]["bytes"] if b]
+        assert len(held) == n and max(held) <= report[n]["total"] / n * 1.05 + 4096  # 1/N each, plus the small replicated norms
+    for n, words in refused.items():
+        assert words in report[n]["refused"] and f"model axis of {n} devices" in report[n]["refused"]
+
+
+@pytest.mark.slow
+def test_bundled_model_with_its_drafter_decodes_over_three_devices(smollm2_dir):
+    spec = {"model_dir": str(smollm2_dir), "drafter": str(bundled.DRAFTER),
+            "chats": ["What is the capital of France?", "Write a Python function that reverses a string."], "meshes": [3],
+            "new_tokens": 48}
+    report = run_child(spec, devices=3)[3]
+    assert report["differ"] == [], report  # plain greedy and S3D at its calibrated policy, token for token
+    assert max(report["bytes"]) <= report["total"] / 3 * 1.05
+
+
+def test_an_8b_model_is_split_into_equal_shares():
+    """Llama-3-8B's shapes, never allocated: the layout alone gives each of 4 devices its share."""
+    config = shape_config("llama3_8b")
+    params = abstract_params(config)
+    mesh = jax.sharding.AbstractMesh((1, 4), ("data", "model"))  # no devices needed for a layout
+    layout = sharding.decode_shardings(params, config, mesh)
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    per_device = sum(np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(layout)))
+    assert per_device <= total / 4 * 1.05
+
+
+def test_bad_meshes_are_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="model=N"):
+        sharding.decode_mesh("tensor=2")
+    with pytest.raises(ConfigError, match="needs 64 devices"):
+        sharding.decode_mesh("model=64")
+    with pytest.raises(TypeError, match="Mesh"):
+        sharding.decode_mesh(4)

@@ -1,0 +1,173 @@
+"""The server under load: concurrent streaming clients on MT-Bench prompts, S3D against plain decoding
+at each concurrency, and llama.cpp's own OpenAI server on the same GGUF where llama-cpp-python is installed.
+
+    python tools/bench_serve.py [--concurrency 1,4,16] [--requests 16] [--max-tokens 128] [--llama-cpp]
+
+Each engine runs as its own server process, started here on a free port and measured alone. Per
+concurrency: aggregate generated tokens/s over the wall time, and per request the time to first
+token (TTFT) and time per output token after it (TPOT), p50 and p95. Writes `serve.json`,
+`serve.md` and `serve_throughput.png` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from s3d_jax import bundled  # noqa: E402
+from s3d_jax.bench.suites import load_suite  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(command: list[str], port: int, timeout: float = 900) -> subprocess.Popen:
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_serve_{port}.log", "w")  # noqa: SIM115 - the server's lifetime
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"{command[:4]} exited with {server.returncode}; see {log.name}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            time.sleep(1)
+    server.kill()
+    raise RuntimeError(f"{command[:4]} did not answer within {timeout:.0f} s; see {log.name}")
+
+
+def one_request(url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    """A streamed chat completion: when its first text came, when it ended, and how many tokens it had."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start, first, tokens = time.perf_counter(), None, 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if first is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    first = first or end
+    return {"ttft": first - start, "tpot": (end - first) / max(tokens - 1, 1), "tokens": tokens, "seconds": end - start}
+
+
+def load_level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        done = list(pool.map(lambda p: one_request(url, model, p, max_tokens), prompts))
+    wall = time.perf_counter() - start
+    ttft, tpot = np.array([d["ttft"] for d in done]), np.array([d["tpot"] for d in done])
+    tokens = sum(d["tokens"] for d in done)
+    return {"concurrency": concurrency, "requests": len(done), "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+            "ttft_p50_ms": 1e3 * np.percentile(ttft, 50), "ttft_p95_ms": 1e3 * np.percentile(ttft, 95),
+            "tpot_p50_ms": 1e3 * np.percentile(tpot, 50), "tpot_p95_ms": 1e3 * np.percentile(tpot, 95)}
+
+
+def engines(args) -> dict[str, list[str]]:
+    """Each engine's server command (the port is appended)."""
+    serve = [sys.executable, "-m", "s3d_jax.serve", "--max-batch", str(args.max_batch), "--max-queue", "1024", "--max-len", "2048",
+             "--served-model-name", "model"] + (["--model", args.model] if args.model else [])
+    found = {f"s3d_jax {m}": [*serve, "--method", m] for m in args.methods.split(",")}
+    if args.llama_cpp:
+        gguf = args.gguf or str(bundled.gguf_path())
+        found["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", "model",
+                              "--n_ctx", "2048", "--n_threads", str(os.cpu_count())]
+    return found
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="converted model directory (default: the bundled SmolLM2)")
+    p.add_argument("--methods", default="ar,s3d")
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least the concurrency)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-batch", type=int, default=8, help="the s3d_jax server's slots")
+    p.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python's server on the GGUF")
+    p.add_argument("--gguf", default=None, help="the GGUF for --llama-cpp (default: the bundled one)")
+    p.add_argument("--out", default="results/serve")
+    args = p.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    questions = [q["turns"][0] for q in load_suite("mt_bench", None)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {}
+    for name, command in engines(args).items():
+        port = free_port()
+        print(f"{name}: starting its server ...", file=sys.stderr, flush=True)
+        server = start([*command, "--port", str(port)], port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            one_request(url, "model", questions[0], 8)  # warm-up: compiles, calibrates
+            results[name] = []
+            for level in levels:
+                n = max(args.requests, level)
+                prompts = [questions[(i + 1) % len(questions)] for i in range(n)]
+                row = load_level(url, "model", prompts, level, args.max_tokens)
+                results[name].append(row)
+                print(f"{name}, {level} clients: {row['tokens_per_s']:.1f} tokens/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
+                      f"TPOT p50 {row['tpot_p50_ms']:.1f} ms", file=sys.stderr, flush=True)
+        finally:
+            server.terminate()
+            server.wait(120)
+    (out / "serve.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    table = render(results)
+    (out / "serve.md").write_text(table + "\n")
+    plot(results, out / "serve_throughput.png")
+    print(table)
+    return 0
+
+
+def render(results: dict[str, list[dict]]) -> str:
+    plain = {r["concurrency"]: r["tokens_per_s"] for r in results.get("s3d_jax ar", [])}
+    lines = ["| engine | clients | tokens/s | vs plain | TTFT p50 / p95 ms | TPOT p50 / p95 ms |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, rows in results.items():
+        for r in rows:
+            ratio = f"{r['tokens_per_s'] / plain[r['concurrency']]:.2f}x" if r["concurrency"] in plain else "-"
+            lines.append(f"| {name} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {ratio} | {r['ttft_p50_ms']:.0f} / "
+                         f"{r['ttft_p95_ms']:.0f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p95_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rows in results.items():
+        ax.plot([r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("generated tokens/s, all clients")
+    ax.set_title("Server throughput, MT-Bench first turns")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
