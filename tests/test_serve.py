@@ -223,6 +223,18 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits(model_dir):
         httpx.get(f"{url}/health", timeout=2)
 
 
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--mesh", "model=64"], "needs 64 devices"),
+    (["--max-len", "4096"], "exceeds the model's context of 512"),
+    (["--temperature", "-1"], "temperature"),
+])
+def test_the_command_line_refuses_bad_settings(model_dir, flags, words):
+    result = subprocess.run([sys.executable, "-m", "s3d_jax.serve", "--model", str(model_dir), *flags], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2 and words in result.stderr, result.stderr[-2000:]
+
+
 def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(monkeypatch):
     from fastapi.testclient import TestClient
 

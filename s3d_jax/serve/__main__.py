@@ -16,6 +16,8 @@ from s3d_jax import bundled, calibration, compile_cache, few_rows, options
 from s3d_jax.api import load
 from s3d_jax.generate import positive_int
 
+DEFAULT_MAX_LEN = 2048  # each step reads the whole window (docs/serving.md), so not the model's whole context by default
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m s3d_jax.serve", description=__doc__.splitlines()[0])
@@ -25,7 +27,8 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=positive_int, default=4, help="requests decoded together (slots of the compiled loop)")
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for a slot; more are refused with 429")
-    p.add_argument("--max-len", type=positive_int, default=2048, help="the context window: prompt + reply + draft block")
+    p.add_argument("--max-len", type=positive_int, default=None,
+                   help="the context window: prompt + reply + draft block (default: 2048, or the model's context if smaller)")
     p.add_argument("--chunk", type=positive_int, default=4, help="iterations between the engine's looks at its requests")
     p.add_argument("--max-lanes", type=positive_int, default=2, help="sampling settings decoded at once (one loop each)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model directory's name)")
@@ -48,7 +51,7 @@ def main(argv=None) -> int:
         compile_cache.enable()
         model = load(**options.load_arguments(args))
         name = args.served_model_name or (Path(args.model).name if args.model else bundled.model_dir().name.split(".format")[0])
-        max_len = min(args.max_len, model.config.max_position_embeddings)
+        max_len = args.max_len or min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)  # a larger one is refused
         engine = Engine(model, decode_options, slots=args.max_batch, max_len=max_len, max_queue=args.max_queue,
                         chunk_iterations=args.chunk, max_lanes=args.max_lanes)
         print(f"s3d_jax.serve: compiling the decode loop for {args.max_batch} slots of {max_len} positions ...", file=sys.stderr)
