@@ -55,7 +55,8 @@ def test_bundled_model_with_its_drafter_decodes_over_three_devices(smollm2_dir):
             "new_tokens": 48}
     report = run_child(spec, devices=3)[3]
     assert report["differ"] == [], report  # plain greedy and S3D at its calibrated policy, token for token
-    assert max(report["bytes"]) <= report["total"] / 3 * 1.05
+    # 1/3 of the weights, plus the drafter's adapters, which stay whole on every device (about 5% of SmolLM2).
+    assert max(report["bytes"]) <= report["total"] / 3 * 1.10
 
 
 def test_an_8b_model_is_split_into_equal_shares():
