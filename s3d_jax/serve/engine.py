@@ -65,7 +65,6 @@ class Request:
     stop: tuple[str, ...] = ()
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     # The engine's bookkeeping.
-    submitted: float = dataclasses.field(default_factory=time.perf_counter)
     tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
     sent_text: str = ""
 
@@ -95,8 +94,8 @@ _free_jit = jax.jit(_free, donate_argnames="state")
 class Lane:
     """`slots` rows of one plan in one donated loop state, and the request in each slot."""
 
-    def __init__(self, model: Model, plan: Plan, slots: int, max_len: int, eos_ids: tuple[int, ...], policy: str = ""):
-        self.model, self.plan, self.max_len, self.eos_ids, self.policy = model, plan, max_len, eos_ids, policy
+    def __init__(self, model: Model, plan: Plan, slots: int, max_len: int, eos_ids: tuple[int, ...]):
+        self.model, self.plan, self.max_len, self.eos_ids = model, plan, max_len, eos_ids
         self.requests: list[Request | None] = [None] * slots
         # Empty slots: one-token prompts with room for none, finished from the start.
         self.run = self._run(np.zeros((slots, 1), np.int64), max_new_tokens=0, seed=0)
@@ -185,7 +184,7 @@ class Engine:
     @functools.cached_property
     def block(self) -> int:
         """Cache positions a request needs past its prompt and reply: the largest draft block of any lane."""
-        return max(self._plan(Sampling())[0].block, self._plan(Sampling(1.0))[0].block)
+        return max(self._plan(Sampling()).block, self._plan(Sampling(1.0)).block)
 
     def room(self, prompt_tokens: int) -> int:
         """The most new tokens a prompt of this length leaves room for; < 1: it does not fit."""
@@ -230,10 +229,9 @@ class Engine:
 
     # ------------------------------------------------------------ the engine's thread
 
-    def _plan(self, sampling: Sampling) -> tuple[Plan, str]:
+    def _plan(self, sampling: Sampling) -> Plan:
         options = self.options.replace(temperature=sampling.temperature, top_p=sampling.top_p)
-        policy = api.drafting_policy(self.model, options)
-        return api.plan_for(self.model.config, options, policy), "" if policy is None else policy.describe()
+        return api.plan_for(self.model.config, options, api.drafting_policy(self.model, options))
 
     def lane(self, sampling: Sampling) -> Lane | None:
         """The lane of `sampling`, made if there is room (an idle lane of another setting is dropped); else None."""
@@ -244,8 +242,7 @@ class Engine:
             if idle is None:
                 return None
             del self.lanes[idle]
-        plan, policy = self._plan(sampling)
-        self.lanes[sampling] = Lane(self.model, plan, self.slots, self.max_len, self.eos_ids, policy)
+        self.lanes[sampling] = Lane(self.model, self._plan(sampling), self.slots, self.max_len, self.eos_ids)
         return self.lanes[sampling]
 
     def _loop(self) -> None:
