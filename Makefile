@@ -31,7 +31,7 @@ lint: install
 	$(PY) -m ruff check .
 
 test: lint
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0
+	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -49,3 +50,7 @@ def test_ctrl_c_in_train_ends_with_one_line_and_says_how_to_resume(tmp_path):
     assert result.returncode == 130, result.stderr
     assert "interrupted: run the same command again to resume from the last checkpoint" in result.stderr
     assert "Traceback" not in result.stderr
+    # The step that Ctrl-C interrupted (every step logs) is saved: the run loses nothing.
+    last_logged = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
+    saved = max(int(d.name) for d in (tmp_path / "run" / "checkpoints").iterdir() if d.name.isdigit())
+    assert saved == last_logged

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -91,8 +93,9 @@ def _run(cfg: ml_collections.ConfigDict, workdir: Path, mesh, cleanup: contextli
 
     stream = data.batches(train_rows, t.batch_size * t.grad_accum, t.seed, start=data_position)
     seen = data.tokens_before(train_rows, t.batch_size * t.grad_accum, t.seed, data_position)
-    bar = tqdm(total=t.steps, initial=start_step, desc="training", disable=not progress, dynamic_ncols=True)
+    bar = cleanup.enter_context(tqdm(total=t.steps, initial=start_step, desc="training", disable=not progress, dynamic_ncols=True))
     throughput = report.Throughput()
+    ctrl_c = cleanup.enter_context(StopRequest())
     for step in range(start_step + 1, t.steps + 1):
         data_position, rows = next(stream)
         state, metrics = step_fn(state, place_batch(rows, mesh, t.grad_accum), original)
@@ -104,9 +107,13 @@ def _run(cfg: ml_collections.ConfigDict, workdir: Path, mesh, cleanup: contextli
         if _due(step, t.eval_every, t.steps):
             record = report.log_eval(metrics_file, step, held_out(state.params), tokens_seen=seen)
             bar.write(f"step {step} held-out: {report.describe(record)}")
-        if _due(step, t.checkpoint_every, t.steps):
+        if _due(step, t.checkpoint_every, t.steps) or ctrl_c.requested:
             checkpoints.save_checkpoint(manager, step, state, data_position + 1, trainer.config, cfg)
         bar.update(1)
+        if ctrl_c.requested:
+            manager.wait_until_finished()
+            bar.write(f"step {step} saved")
+            raise KeyboardInterrupt
     bar.close()
     manager.wait_until_finished()
     report.plot_metrics(metrics_file, workdir / "curves.png")
@@ -116,6 +123,30 @@ def _run(cfg: ml_collections.ConfigDict, workdir: Path, mesh, cleanup: contextli
         return save_drafter(workdir / DRAFTER_FILE, drafter)
     config = trainer.config.replace(draft_tree=cfg.s3d.tree)
     return checkpoints.export(state.params, config, trainer.objective, tokenizer, workdir / "model", cfg.model_dtype)
+
+
+class StopRequest:
+    """Ctrl-C during the steps asks the loop to stop after the current one, once it is saved: a signal
+    that lands inside an orbax save leaves its background threads waiting on each other, and the process
+    never ends. A second Ctrl-C stops at once. Only the main thread can take signals; elsewhere this
+    does nothing."""
+
+    requested = False
+
+    def __enter__(self):
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._request)
+        return self
+
+    def _request(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def _due(step: int, every: int, last: int) -> bool:
