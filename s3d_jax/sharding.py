@@ -27,6 +27,12 @@ SHARDING_RULES = [
     (r"\['down'\]$", ("model", "fsdp")),
     (r"\['embed'\]$", ("fsdp", "model")),
     (r"\['lm_head'\]$", ("fsdp", "model")),
+    # The drafter's LoRA adapters split as their weight does: by the output (b) of a column-split weight,
+    # by the input (a) of a row-split one. The other factor is rank-sized and stays whole.
+    (r"\['(q|k|v)_lora'\]\['b'\]$", (None, "model", None)),
+    (r"\['o_lora'\]\['a'\]$", ("model", None, None)),
+    (r"\['(gate|up)_lora'\]\['b'\]$", (None, "model")),
+    (r"\['down_lora'\]\['a'\]$", ("model", None)),
 ]
 
 

@@ -38,6 +38,16 @@ def pytest_configure(config):
     os.environ[ENV_CACHE] = os.environ[_TEST_CACHE]
 
 
+# The longest files, first: pytest-xdist hands files to its workers in collection order, and a long file
+# handed out last runs alone while the other worker idles.
+LONGEST_FIRST = ("test_smollm2.py", "test_sharded_decoding.py", "test_serve.py", "test_bench.py", "test_predict.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order stays
+
+
 def pytest_unconfigure(config):
     if _owner in config.stash:
         shutil.rmtree(config.stash[_owner], ignore_errors=True)

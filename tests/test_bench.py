@@ -55,7 +55,7 @@ def test_bench_smoke_on_a_tiny_model(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "s3d_jax.bench", "--model", str(tmp_path / "model"), "--suite", "mt_bench,humaneval,news",
-         "--limit", "2", "--max-new-tokens", "8", "--peers", "hf", "--skip", "2", "3", "--gamma", "3", "--out", str(out)],
+         "--limit", "1", "--max-new-tokens", "8", "--peers", "hf", "--skip", "2", "3", "--gamma", "3", "--out", str(out)],
         capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -69,7 +69,7 @@ def test_bench_smoke_on_a_tiny_model(tmp_path):
             # Greedy speculative output equals plain greedy; so does transformers on the exported weights.
             assert r["differs_from_plain"] == "0", r
     raw = json.loads((out / "raw.json").read_text())
-    assert sum(r["turn"] == 1 for r in raw["results"]["ar"]["records"]) == 2  # both MT-Bench turns
+    assert [r["turn"] for r in raw["results"]["ar"]["records"] if r["suite"] == "mt_bench"] == [0, 1]  # both MT-Bench turns
     assert "| mt_bench | s3d |" in (out / "table.md").read_text()
 
 

@@ -17,8 +17,9 @@ from reference import tiny_model
 
 import s3d_jax
 from s3d_jax import bundled, checkpoint
+from s3d_jax.serve import engine as engine_module
 from s3d_jax.serve.app import create_app
-from s3d_jax.serve.engine import Engine, Lane
+from s3d_jax.serve.engine import Engine, Lane, Request
 
 pytestmark = pytest.mark.needs("bundled_model")  # its tokenizer and chat template
 NAME = "tiny"
@@ -235,6 +236,45 @@ def test_the_command_line_refuses_bad_settings(model_dir, flags, words):
     assert result.returncode == 2 and words in result.stderr, result.stderr[-2000:]
 
 
+def test_a_lane_s_cache_grows_and_shrinks_with_its_requests_and_outputs_stay_exact(monkeypatch):
+    """A short request, a long one beside it, then a short one alone: the loop runs with the cache that
+    the longest request in it needs, and each reply is plain greedy decoding's for that prompt alone."""
+    monkeypatch.setattr(engine_module, "MIN_CAPACITY", 16)
+    original, sizes = Lane.resize, []
+
+    def record(self, capacity):
+        if capacity != self.capacity:
+            sizes.append(capacity)
+        original(self, capacity)
+
+    monkeypatch.setattr(Lane, "resize", record)
+    model = chat_model()
+    engine = Engine(model, slots=2, max_len=256).start(warm=False)
+
+    def ask(question, new_tokens) -> concurrent.futures.Future:
+        done = concurrent.futures.Future()
+        tokens = []
+
+        def deliver(delta):
+            tokens.extend(delta.token_ids)
+            if delta.finish_reason:
+                done.set_result((tokens, delta.finish_reason))
+
+        engine.submit(Request(model.tokenizer.encode(question), new_tokens, deliver))
+        return done
+
+    try:
+        short, long = ask(QUESTIONS[0], 6), ask(QUESTIONS[1], 150)
+        asked = [(QUESTIONS[0], 6, short.result(300)), (QUESTIONS[1], 150, long.result(300))]
+        asked.append((QUESTIONS[2], 6, ask(QUESTIONS[2], 6).result(300)))
+    finally:
+        engine.stop()
+    assert 256 in sizes and sizes[0] < 256 and sizes[-1] < 256, sizes  # grown for the long request, shrunk after it
+    for question, new_tokens, (tokens, finish) in asked:
+        alone = s3d_jax.decode(model, model.tokenizer.encode(question), method="ar", max_new_tokens=new_tokens)
+        assert tokens == alone.tokens and finish == "length", question
+
+
 def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(monkeypatch):
     from fastapi.testclient import TestClient
 
@@ -271,7 +311,7 @@ def test_bundled_model_served_concurrently_equals_plain_greedy_alone():
     plain greedy decoding's for that chat alone, token for token."""
     chats = ["What is the capital of France?", "Write a Python function that returns the n-th Fibonacci number.",
              "Give me three tips for sleeping better.", "Explain what a hash table is, briefly."]
-    process, url = start_server(None, "--max-batch", "4", "--max-len", "512")
+    process, url = start_server(None, "--max-batch", "4", "--max-len", "128")  # fits each chat and its reply
     try:
         c, name = client(url), client(url).models.list().data[0].id
 

@@ -74,15 +74,21 @@ def test_generate_cli_reports_bad_input(smollm2_dir):
 # ---------------------------------------------------------------- the shipped drafter
 
 
-@pytest.mark.parametrize("draft_vocab_size", [None, 0, 4096])  # the drafter's default, the full head, a smaller one
-def test_shipped_drafter_is_exact_and_accepted(smollm2, plain, draft_vocab_size):
-    drafted = drafter.apply(smollm2, bundled.DRAFTER, draft_vocab_size)
+def test_shipped_drafter_is_exact_and_accepted(smollm2, plain):
+    drafted = drafter.apply(smollm2, bundled.DRAFTER)
     out = s3d_jax.decode(drafted, CHATS, chat=True, max_new_tokens=NEW_TOKENS)  # the calibrated policy, whatever it chose
     assert out.tokens == plain.tokens, "the drafter changes speed, never the output"
     out = s3d_jax.decode(drafted, CHATS, chat=True, max_new_tokens=NEW_TOKENS, min_certainty=0.0)  # drafting at every iteration
     assert out.tokens == plain.tokens
     untrained = s3d_jax.decode(smollm2, CHATS, chat=True, max_new_tokens=NEW_TOKENS, gamma=out.stats.gamma, skip=out.stats.skip)
     assert out.stats.tokens_per_iteration > untrained.stats.tokens_per_iteration + 0.25, "the trained drafter is accepted more"
+
+
+@pytest.mark.parametrize("draft_vocab_size", [0, 4096])  # the full head, a smaller one than the drafter's
+def test_shipped_drafter_with_another_draft_head_is_exact(smollm2, plain, draft_vocab_size):
+    drafted = drafter.apply(smollm2, bundled.DRAFTER, draft_vocab_size)
+    out = s3d_jax.decode(drafted, CHATS, chat=True, max_new_tokens=NEW_TOKENS, min_certainty=0.0)
+    assert out.tokens == plain.tokens
 
 
 @pytest.mark.needs("bundled_model")

@@ -1,11 +1,12 @@
 """The server under load: concurrent streaming clients on MT-Bench prompts, S3D against plain decoding
 at each concurrency, and llama.cpp's own OpenAI server on the same GGUF where llama-cpp-python is installed.
 
-    python tools/bench_serve.py [--concurrency 1,4,16] [--requests 16] [--max-tokens 128] [--llama-cpp]
+    python tools/bench_serve.py [--concurrency 1,4,8,16,64] [--requests 16] [--max-tokens 128] [--max-queue 16] [--llama-cpp]
 
 Each engine runs as its own server process, started here on a free port and measured alone. Per
 concurrency: aggregate generated tokens/s over the wall time, and per request the time to first
-token (TTFT) and time per output token after it (TPOT), p50 and p95. Writes `serve.json`,
+token (TTFT) and time per output token after it (TPOT), p50 and p95, and how many requests the full
+queue refused (each is retried after its Retry-After) and how many were lost. Writes `serve.json`,
 `serve.md` and `serve_throughput.png` to --out.
 """
 
@@ -52,24 +53,37 @@ def start(command: list[str], port: int, timeout: float = 900) -> subprocess.Pop
     raise RuntimeError(f"{command[:4]} did not answer within {timeout:.0f} s; see {log.name}")
 
 
-def one_request(url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    """A streamed chat completion: when its first text came, when it ended, and how many tokens it had."""
+def one_request(url: str, model: str, prompt: str, max_tokens: int, give_up_after: float = 1800) -> dict:
+    """A streamed chat completion, retried as `Retry-After` says while the server's queue is full: when
+    its first text came (from its accepted try), when it ended, how many tokens it had, and how often it
+    was refused. A request that fails otherwise, or is still refused after `give_up_after` seconds, is lost."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
-    start, first, tokens = time.perf_counter(), None, 0
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if first is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-                first = time.perf_counter()
-    end = time.perf_counter()
-    first = first or end
-    return {"ttft": first - start, "tpot": (end - first) / max(tokens - 1, 1), "tokens": tokens, "seconds": end - start}
+    deadline, refused = time.monotonic() + give_up_after, 0
+    while time.monotonic() < deadline:
+        start, first, tokens = time.perf_counter(), None, 0
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+                if response.status_code in (429, 503):
+                    refused += 1
+                    time.sleep(float(response.headers.get("Retry-After", 1)))
+                    continue
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if first is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                        first = time.perf_counter()
+        except httpx.HTTPError as e:
+            return {"lost": f"{type(e).__name__}: {e}", "refused": refused}
+        end = time.perf_counter()
+        first = first or end
+        return {"ttft": first - start, "tpot": (end - first) / max(tokens - 1, 1), "tokens": tokens, "seconds": end - start,
+                "refused": refused}
+    return {"lost": f"still refused after {give_up_after:.0f} s", "refused": refused}
 
 
 def load_level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
@@ -77,22 +91,41 @@ def load_level(url: str, model: str, prompts: list[str], concurrency: int, max_t
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         done = list(pool.map(lambda p: one_request(url, model, p, max_tokens), prompts))
     wall = time.perf_counter() - start
-    ttft, tpot = np.array([d["ttft"] for d in done]), np.array([d["tpot"] for d in done])
-    tokens = sum(d["tokens"] for d in done)
-    return {"concurrency": concurrency, "requests": len(done), "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+    served = [d for d in done if "lost" not in d]
+    ttft, tpot = np.array([d["ttft"] for d in served] or [np.nan]), np.array([d["tpot"] for d in served] or [np.nan])
+    tokens = sum(d["tokens"] for d in served)
+    return {"concurrency": concurrency, "requests": len(done), "lost": len(done) - len(served),
+            "refusals": sum(d["refused"] for d in done), "lost_reasons": sorted({d["lost"] for d in done if "lost" in d}),
+            "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * np.percentile(ttft, 50), "ttft_p95_ms": 1e3 * np.percentile(ttft, 95),
             "tpot_p50_ms": 1e3 * np.percentile(tpot, 50), "tpot_p95_ms": 1e3 * np.percentile(tpot, 95)}
 
 
+def decode_first_token_ms(model_path: str | None, prompts: list[str]) -> float:
+    """`s3d_jax.decode`'s time to its first token, which its prefill emits: the median over `prompts`,
+    each decoded once to compile its bucket and once to time. A lone server request's TTFT is held
+    against it. Measured here, before any server starts."""
+    import s3d_jax
+
+    model = s3d_jax.load(model_path)
+    seconds = []
+    for prompt in prompts:
+        for _ in range(2):
+            out = s3d_jax.decode(model, [{"role": "user", "content": prompt}], method="ar", max_new_tokens=1, chat=True)
+        seconds.append(out.stats.decode_seconds)
+    return 1e3 * float(np.median(seconds))
+
+
 def engines(args) -> dict[str, list[str]]:
     """Each engine's server command (the port is appended)."""
-    serve = [sys.executable, "-m", "s3d_jax.serve", "--max-batch", str(args.max_batch), "--max-queue", "1024", "--max-len", "2048",
+    serve = [sys.executable, "-m", "s3d_jax.serve", "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
+             "--max-len", str(args.max_len),
              "--served-model-name", "model"] + (["--model", args.model] if args.model else [])
     found = {f"s3d_jax {m}": [*serve, "--method", m] for m in args.methods.split(",")}
     if args.llama_cpp:
         gguf = args.gguf or str(bundled.gguf_path())
         found["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", "model",
-                              "--n_ctx", "2048", "--n_threads", str(os.cpu_count())]
+                              "--n_ctx", str(args.max_len), "--n_threads", str(os.cpu_count())]
     return found
 
 
@@ -100,10 +133,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="converted model directory (default: the bundled SmolLM2)")
     p.add_argument("--methods", default="ar,s3d")
-    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--concurrency", default="1,4,8,16,64")
     p.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least the concurrency)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-batch", type=int, default=8, help="the s3d_jax server's slots")
+    p.add_argument("--max-queue", type=int, default=16, help="the s3d_jax server's waiting list; clients retry when it is full")
+    p.add_argument("--max-len", type=int, default=2048, help="the servers' context window")
     p.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python's server on the GGUF")
     p.add_argument("--gguf", default=None, help="the GGUF for --llama-cpp (default: the bundled one)")
     p.add_argument("--out", default="results/serve")
@@ -112,6 +147,8 @@ def main(argv=None) -> int:
     questions = [q["turns"][0] for q in load_suite("mt_bench", None)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    reference = decode_first_token_ms(args.model, questions[1:9])
+    print(f"s3d_jax.decode's time to its first token (the prefill): {reference:.0f} ms", file=sys.stderr, flush=True)
     results: dict[str, list[dict]] = {}
     for name, command in engines(args).items():
         port = free_port()
@@ -127,12 +164,13 @@ def main(argv=None) -> int:
                 row = load_level(url, "model", prompts, level, args.max_tokens)
                 results[name].append(row)
                 print(f"{name}, {level} clients: {row['tokens_per_s']:.1f} tokens/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
-                      f"TPOT p50 {row['tpot_p50_ms']:.1f} ms", file=sys.stderr, flush=True)
+                      f"TPOT p50 {row['tpot_p50_ms']:.1f} ms, {row['refusals']} refusals retried, {row['lost']} lost",
+                      file=sys.stderr, flush=True)
         finally:
             server.terminate()
             server.wait(120)
-    (out / "serve.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    table = render(results)
+    (out / "serve.json").write_text(json.dumps({"args": vars(args), "decode_first_token_ms": reference, "results": results}, indent=1))
+    table = render(results) + f"\n\n`s3d_jax.decode`'s time to its first token (its prefill), median of 8 prompts: {reference:.0f} ms"
     (out / "serve.md").write_text(table + "\n")
     plot(results, out / "serve_throughput.png")
     print(table)
@@ -141,12 +179,13 @@ def main(argv=None) -> int:
 
 def render(results: dict[str, list[dict]]) -> str:
     plain = {r["concurrency"]: r["tokens_per_s"] for r in results.get("s3d_jax ar", [])}
-    lines = ["| engine | clients | tokens/s | vs plain | TTFT p50 / p95 ms | TPOT p50 / p95 ms |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| engine | clients | tokens/s | vs plain | TTFT p50 / p95 ms | TPOT p50 / p95 ms | refusals retried | lost |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, rows in results.items():
         for r in rows:
             ratio = f"{r['tokens_per_s'] / plain[r['concurrency']]:.2f}x" if r["concurrency"] in plain else "-"
             lines.append(f"| {name} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {ratio} | {r['ttft_p50_ms']:.0f} / "
-                         f"{r['ttft_p95_ms']:.0f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p95_ms']:.1f} |")
+                         f"{r['ttft_p95_ms']:.0f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p95_ms']:.1f} | {r['refusals']} | {r['lost']} |")
     return "\n".join(lines)
 
 

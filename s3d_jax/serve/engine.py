@@ -73,9 +73,24 @@ class Request:
         return Sampling(self.temperature, 0, self.top_p if self.temperature else 1.0)
 
 
+def _resized(state: decoding.DecodeState, max_len: int) -> decoding.DecodeState:
+    """`state` with room for `max_len` positions: its tokens and cache cut or padded along the position
+    axis. Positions past a row's length are stale and masked, so neither changes what a row decodes."""
+    def fit(x, axis):
+        if x.shape[axis] >= max_len:
+            return jax.lax.slice_in_dim(x, 0, max_len, axis=axis)
+        return jnp.pad(x, [(0, max_len - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+
+    cache = state.cache.replace(keys=tuple(fit(k, 2) for k in state.cache.keys), values=tuple(fit(v, 3) for v in state.cache.values))
+    return state.replace(tokens=fit(state.tokens, 1), cache=cache)
+
+
 def _insert(state: decoding.DecodeState, row: decoding.DecodeState, slot, reseed: bool) -> decoding.DecodeState:
-    """`state` with slot `slot` replaced by the one-row state `row`; `reseed` takes the row's random key
-    (a lane with no other request), so that a seeded request alone is reproducible."""
+    """`state` with slot `slot` replaced by the one-row state `row` (prefilled with room for its prompt
+    only); `reseed` takes the row's random key (a lane with no other request), so that a seeded request
+    alone is reproducible."""
+    row = _resized(row, state.tokens.shape[1])
+
     def put(full, one):
         return jax.lax.dynamic_update_slice_in_dim(full, one.astype(full.dtype), slot, axis=0)
 
@@ -89,31 +104,63 @@ def _free(state: decoding.DecodeState, slot) -> decoding.DecodeState:
 
 _insert_jit = jax.jit(_insert, static_argnames="reseed", donate_argnames="state")
 _free_jit = jax.jit(_free, donate_argnames="state")
+_resized_jit = jax.jit(_resized, static_argnames="max_len")  # not donated: the result has another shape
+
+# The smallest cache a lane runs with. Each size is one more compiled loop; below this a step's
+# attention costs little next to its weights.
+MIN_CAPACITY = 256
 
 
 class Lane:
-    """`slots` rows of one plan in one donated loop state, and the request in each slot."""
+    """`slots` rows of one plan in one donated loop state, and the request in each slot.
+
+    The loop's attention reads every position of the cache it runs with, so a lane runs with the
+    smallest cache (a power of two from MIN_CAPACITY up to `max_len`) that holds every request it
+    serves, prompt, reply and draft block: it grows when a longer request comes in and shrinks when
+    the longest leaves. Each size compiles its loop once."""
 
     def __init__(self, model: Model, plan: Plan, slots: int, max_len: int, eos_ids: tuple[int, ...]):
         self.model, self.plan, self.max_len, self.eos_ids = model, plan, max_len, eos_ids
         self.requests: list[Request | None] = [None] * slots
+        self.capacity = self.capacity_for(0)
         # Empty slots: one-token prompts with room for none, finished from the start.
-        self.run = self._run(np.zeros((slots, 1), np.int64), max_new_tokens=0, seed=0)
+        self.run = self._run(np.zeros((slots, 1), np.int64), max_new_tokens=0, seed=0, max_len=self.capacity)
         self.state = self.run.start()
         self.iteration = 0
 
-    def _run(self, prompts, max_new_tokens: int, seed: int) -> decoding.Run:
-        padded = np.zeros((len(prompts), min(api.bucket(prompts.shape[1]), self.max_len)), np.int32)
+    def _run(self, prompts, max_new_tokens: int, seed: int, max_len: int) -> decoding.Run:
+        padded = np.zeros((len(prompts), min(api.bucket(prompts.shape[1]), max_len)), np.int32)
         padded[:, : prompts.shape[1]] = prompts
         return decoding.Run(self.model.params, self.model.config, self.plan, padded, np.full(len(prompts), prompts.shape[1]),
-                            max_new_tokens, self.eos_ids, seed, self.max_len)
+                            max_new_tokens, self.eos_ids, seed, max_len)
+
+    def capacity_for(self, positions: int) -> int:
+        return min(self.max_len, max(MIN_CAPACITY, api.bucket(positions)))
+
+    def positions(self, request: Request) -> int:
+        """The cache positions a request may reach: its prompt, its reply and one draft block past it."""
+        return len(request.prompt_ids) + request.max_new_tokens + self.plan.block
+
+    def resize(self, capacity: int) -> None:
+        if capacity != self.capacity:
+            self.state = _resized_jit(self.state, max_len=capacity)
+            self.run = dataclasses.replace(self.run, max_len=capacity, _executables=None)
+            self.capacity = capacity
 
     def warm(self) -> None:
-        """Compiles the prefill of every prompt-length bucket now, so that no request waits for a compile."""
+        """Compiles the prefill of every prompt-length bucket and the loop at every cache size now, so
+        that no request waits for a compile."""
         length = 1
         while length < self.max_len:
-            self._run(np.zeros((1, length), np.int64), max_new_tokens=1, seed=0)._prefill_executable()
+            self._prefill_run(np.zeros((1, length), np.int64), max_new_tokens=1, seed=0)._prefill_executable()
             length = api.bucket(length) + 1
+        for capacity in sorted({self.capacity_for(1 << n) for n in range(self.max_len.bit_length() + 1)}):
+            dataclasses.replace(self.run, max_len=capacity, _executables=None).compile()
+
+    def _prefill_run(self, prompts, max_new_tokens: int, seed: int) -> decoding.Run:
+        """A prompt's prefill, with a cache that holds the prompt and its first token (`insert` fits it to
+        the lane's): twice the prompt's bucket, so that each bucket compiles one prefill."""
+        return self._run(prompts, max_new_tokens, seed, max_len=min(2 * api.bucket(prompts.shape[1]), self.max_len))
 
     @property
     def active(self) -> list[int]:
@@ -124,10 +171,12 @@ class Lane:
 
     def prefill(self, request: Request) -> decoding.DecodeState:
         """The request's prompt through the full model, alone: a one-row state with its first token."""
-        return self._run(np.asarray([request.prompt_ids]), request.max_new_tokens, request.seed).prefill()
+        return self._prefill_run(np.asarray([request.prompt_ids]), request.max_new_tokens, request.seed).prefill()
 
     def insert(self, request: Request, row: decoding.DecodeState, slot: int) -> int:
-        """Writes the prefilled `row` into `slot`; returns the request's first token."""
+        """Writes the prefilled `row` into `slot`, with the cache grown if the request needs it; returns
+        the request's first token."""
+        self.resize(max(self.capacity, self.capacity_for(self.positions(request))))
         self.state = _insert_jit(self.state, row, jnp.asarray(slot, jnp.int32), reseed=not self.active)
         self.requests[slot] = request
         return int(row.tokens[0, len(request.prompt_ids)])
@@ -137,7 +186,9 @@ class Lane:
         self.requests[slot] = None
 
     def advance(self, iterations: int):
-        """Runs up to `iterations` iterations; returns (tokens, generated counts, done flags, acceptance histograms) per row."""
+        """Runs up to `iterations` iterations, with the cache shrunk to what the requests left need;
+        returns (tokens, generated counts, done flags, acceptance histograms) per row."""
+        self.resize(self.capacity_for(max((self.positions(self.requests[i]) for i in self.active), default=0)))
         self.state = self.run.advance(self.state, self.iteration + iterations)
         tokens, generated, done, histogram, iteration = sharding.to_host(
             (self.state.tokens, self.state.num_generated, self.state.done, self.state.accept_histogram, self.state.iteration))
@@ -205,7 +256,8 @@ class Engine:
             self._cond.notify()
 
     def start(self, warm: bool = True) -> Engine:
-        """Compiles the greedy lane (with `warm`, its prefill for every prompt bucket too), then starts the thread."""
+        """Compiles the greedy lane (with `warm`, its prefill for every prompt bucket and its loop at every
+        cache size too), then starts the thread."""
         lane = self.lane(Sampling())
         if warm:
             lane.warm()
