@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from reference import tiny_model
 
 import s3d_jax
-from s3d_jax import bundled, checkpoint
+from s3d_jax import bundled, checkpoint, decoding
 from s3d_jax.serve import engine as engine_module
 from s3d_jax.serve.app import create_app
 from s3d_jax.serve.engine import Engine, Lane, Request
@@ -238,8 +238,9 @@ def test_the_command_line_refuses_bad_settings(model_dir, flags, words):
 
 def test_a_lane_s_cache_grows_and_shrinks_with_its_requests_and_outputs_stay_exact(monkeypatch):
     """A short request, a long one beside it, then a short one alone: the loop runs with the cache that
-    the longest request in it needs, and each reply is plain greedy decoding's for that prompt alone."""
-    monkeypatch.setattr(engine_module, "MIN_CAPACITY", 16)
+    the longest request in it needs, each reply is plain greedy decoding's for that prompt alone, and
+    nothing compiles after start-up."""
+    monkeypatch.setattr(engine_module, "MIN_CAPACITY", 64)  # sizes 64, 128 and 256
     original, sizes = Lane.resize, []
 
     def record(self, capacity):
@@ -249,7 +250,8 @@ def test_a_lane_s_cache_grows_and_shrinks_with_its_requests_and_outputs_stay_exa
 
     monkeypatch.setattr(Lane, "resize", record)
     model = chat_model()
-    engine = Engine(model, slots=2, max_len=256).start(warm=False)
+    engine = Engine(model, slots=2, max_len=256).start()
+    compiled = (decoding.compile_count(), len(engine_module._ahead))
 
     def ask(question, new_tokens) -> concurrent.futures.Future:
         done = concurrent.futures.Future()
@@ -269,7 +271,8 @@ def test_a_lane_s_cache_grows_and_shrinks_with_its_requests_and_outputs_stay_exa
         asked.append((QUESTIONS[2], 6, ask(QUESTIONS[2], 6).result(300)))
     finally:
         engine.stop()
-    assert 256 in sizes and sizes[0] < 256 and sizes[-1] < 256, sizes  # grown for the long request, shrunk after it
+    assert sizes == [256, 64]  # grown for the long request beside the short one, shrunk once it left
+    assert (decoding.compile_count(), len(engine_module._ahead)) == compiled
     for question, new_tokens, (tokens, finish) in asked:
         alone = s3d_jax.decode(model, model.tokenizer.encode(question), method="ar", max_new_tokens=new_tokens)
         assert tokens == alone.tokens and finish == "length", question

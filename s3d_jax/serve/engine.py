@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -105,6 +106,18 @@ def _free(state: decoding.DecodeState, slot) -> decoding.DecodeState:
 _insert_jit = jax.jit(_insert, static_argnames="reseed", donate_argnames="state")
 _free_jit = jax.jit(_free, donate_argnames="state")
 _resized_jit = jax.jit(_resized, static_argnames="max_len")  # not donated: the result has another shape
+_ahead: dict = {}
+
+
+def _executable(fn, *args, **statics):
+    """`fn` compiled for the shapes and placements of `args` (arrays or ShapeDtypeStructs), once per
+    process: `Lane.warm` compiles every one a request can need, so that none compiles on its way."""
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=decoding.placement(x)), args)
+    key = (fn, tuple(sorted(statics.items())), jax.tree.structure(structs),
+           tuple((s.shape, s.dtype, s.sharding) for s in jax.tree.leaves(structs)))
+    if key not in _ahead:
+        _ahead[key] = fn.lower(*structs, **statics).compile()
+    return _ahead[key]
 
 # The smallest cache a lane runs with. Each size is one more compiled loop; below this a step's
 # attention costs little next to its weights.
@@ -143,19 +156,32 @@ class Lane:
 
     def resize(self, capacity: int) -> None:
         if capacity != self.capacity:
-            self.state = _resized_jit(self.state, max_len=capacity)
+            self.state = _executable(_resized_jit, self.state, max_len=capacity)(self.state)
             self.run = dataclasses.replace(self.run, max_len=capacity, _executables=None)
             self.capacity = capacity
 
     def warm(self) -> None:
-        """Compiles the prefill of every prompt-length bucket and the loop at every cache size now, so
-        that no request waits for a compile."""
-        length = 1
+        """Compiles now what a request can need, so that none waits for a compile: the prefill of every
+        prompt-length bucket, the loop at every cache size, and the insertion of each bucket's row, the
+        freeing of a slot and the resizing between sizes at each."""
+        rows, length = [], 1
         while length < self.max_len:
-            self._prefill_run(np.zeros((1, length), np.int64), max_new_tokens=1, seed=0)._prefill_executable()
+            executable, _ = self._prefill_run(np.zeros((1, length), np.int64), max_new_tokens=1, seed=0)._prefill_executable()
+            rows.append(executable.out_info)
             length = api.bucket(length) + 1
+        states = []
         for capacity in sorted({self.capacity_for(1 << n) for n in range(self.max_len.bit_length() + 1)}):
-            dataclasses.replace(self.run, max_len=capacity, _executables=None).compile()
+            run = dataclasses.replace(self.run, max_len=capacity, _executables=None)
+            run.compile()
+            states.append(run._prefill_executable()[0].out_info)
+        slot = jax.ShapeDtypeStruct((), jnp.int32)
+        for state in states:
+            _executable(_free_jit, state, slot)
+            for row, reseed in itertools.product(rows, (False, True)):
+                _executable(_insert_jit, state, row, slot, reseed=reseed)
+            for other in states:
+                if other is not state:
+                    _executable(_resized_jit, state, max_len=other.tokens.shape[1])
 
     def _prefill_run(self, prompts, max_new_tokens: int, seed: int) -> decoding.Run:
         """A prompt's prefill, with a cache that holds the prompt and its first token (`insert` fits it to
@@ -177,12 +203,13 @@ class Lane:
         """Writes the prefilled `row` into `slot`, with the cache grown if the request needs it; returns
         the request's first token."""
         self.resize(max(self.capacity, self.capacity_for(self.positions(request))))
-        self.state = _insert_jit(self.state, row, jnp.asarray(slot, jnp.int32), reseed=not self.active)
+        slot = np.int32(slot)  # a host value, as `warm` compiled for
+        self.state = _executable(_insert_jit, self.state, row, slot, reseed=not self.active)(self.state, row, slot)
         self.requests[slot] = request
         return int(row.tokens[0, len(request.prompt_ids)])
 
     def free(self, slot: int) -> None:
-        self.state = _free_jit(self.state, jnp.asarray(slot, jnp.int32))
+        self.state = _executable(_free_jit, self.state, np.int32(slot))(self.state, np.int32(slot))
         self.requests[slot] = None
 
     def advance(self, iterations: int):
