@@ -142,7 +142,7 @@ class Lane:
         self.iteration = 0
 
     def _run(self, prompts, max_new_tokens: int, seed: int, max_len: int) -> decoding.Run:
-        padded = np.zeros((len(prompts), min(api.bucket(prompts.shape[1]), max_len)), np.int32)
+        padded = np.zeros((len(prompts), min(api.bucket(prompts.shape[1] + 1), max_len)), np.int32)  # and the first token
         padded[:, : prompts.shape[1]] = prompts
         return decoding.Run(self.model.params, self.model.config, self.plan, padded, np.full(len(prompts), prompts.shape[1]),
                             max_new_tokens, self.eos_ids, seed, max_len)
@@ -184,9 +184,9 @@ class Lane:
                     _executable(_resized_jit, state, max_len=other.tokens.shape[1])
 
     def _prefill_run(self, prompts, max_new_tokens: int, seed: int) -> decoding.Run:
-        """A prompt's prefill, with a cache that holds the prompt and its first token (`insert` fits it to
-        the lane's): twice the prompt's bucket, so that each bucket compiles one prefill."""
-        return self._run(prompts, max_new_tokens, seed, max_len=min(2 * api.bucket(prompts.shape[1]), self.max_len))
+        """A prompt's prefill, with a cache just large enough for the prompt and its first token: as wide
+        as the padded prompt, so that each bucket compiles one prefill (`insert` fits it to the lane's)."""
+        return self._run(prompts, max_new_tokens, seed, max_len=min(api.bucket(prompts.shape[1] + 1), self.max_len))
 
     @property
     def active(self) -> list[int]:
