@@ -5,7 +5,8 @@ slot is a finished row, which every iteration leaves unchanged. Between chunks o
 engine's thread reads back each row's tokens, hands new text to its request, frees the slots of
 finished or abandoned requests, and prefills waiting requests into free slots: a prompt runs alone
 through the full model (compiled once per prompt-length bucket) and its row is written into the
-lane's state in place (compiled once). The loop itself never recompiles, whatever mix of lengths runs.
+lane's state in place. The lane's cache is sized to its requests (`Lane`); every size of loop,
+insertion and resize is compiled at start-up, so nothing compiles while requests run.
 
 A row's tokens do not depend on its neighbours: every kind of iteration the batch takes is exact, so a
 greedy request decodes to what it would alone. Sampling settings are static in the compiled loop, so
