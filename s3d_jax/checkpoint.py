@@ -26,9 +26,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from safetensors.numpy import save_file
 
-from s3d_jax import sharding
+from s3d_jax import quant, sharding
 from s3d_jax.config import DTYPES, ConfigError, ModelConfig
-from s3d_jax.model import abstract_params, cast_dtype
+from s3d_jax.model import abstract_params, cast_dtype, cast_params
 
 CONFIG_FILE = "s3d_config.json"
 PARAMS_DIR = "params"
@@ -144,14 +144,19 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 
 def load(path: str | os.PathLike, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None) -> Model:
     """A converted model: its params (cast to `dtype`), config and tokenizer. With a `mesh`, each device
-    reads only its own part of each weight (`sharding.shardings`); `sharding.place` finishes the layout."""
+    reads only its own part of each weight (`sharding.shardings`); `sharding.place` finishes the layout.
+    A float model loaded as a quantized dtype (`quant`) is quantized as it loads, and a quantized one
+    loaded as a float dtype is dequantized."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"a model path must be a str or os.PathLike, got {type(path).__name__}")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     path = Path(path).absolute()
     config = load_config(path)
+    wanted = config if dtype is None else config.replace(dtype=dtype)  # ConfigError: a shape that cannot be quantized
     expected = abstract_params(config)
+    # Float leaves are read in the float type of what is wanted: a quantized format's is float32.
+    read_as = wanted.jnp_dtype if dtype else None
     try:
         with ocp.StandardCheckpointer() as ckptr:
             stored = ckptr.metadata(path / PARAMS_DIR)
@@ -162,16 +167,18 @@ def load(path: str | os.PathLike, dtype: str | None = None, mesh: jax.sharding.M
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             placement = jax.tree.map(lambda _: device, expected) if mesh is None else sharding.decode_shardings(expected, config, mesh)
             target = jax.tree.map(
-                lambda x, where: jax.ShapeDtypeStruct(x.shape, cast_dtype(x.dtype, DTYPES[dtype]) if dtype else x.dtype, sharding=where),
+                lambda x, where: jax.ShapeDtypeStruct(x.shape, cast_dtype(x.dtype, read_as) if read_as else x.dtype, sharding=where),
                 expected, placement)
             params = ckptr.restore(path / PARAMS_DIR, target)
     except CheckpointError:
         raise
     except Exception as e:  # orbax and tensorstore raise many types for unreadable files.
         raise CheckpointError(f"cannot read the params checkpoint at {path / PARAMS_DIR}: {type(e).__name__}: {e}") from None
-    if dtype is not None:
-        config = config.replace(dtype=dtype)
-    return Model(params, config, load_tokenizer(path))
+    if wanted.quantized and not config.quantized:
+        params = quant.quantize_params(params)
+    elif config.quantized and not wanted.quantized:
+        params = cast_params(quant.dequantize_params(params), wanted.jnp_dtype)
+    return Model(params, wanted, load_tokenizer(path))
 
 
 def load_tokenizer(path: Path):

@@ -15,7 +15,12 @@ GEMMA = ("gemma2", "gemma3_text")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, or GeGLU with tanh-approximated GELU
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 ROPE_TYPES = ("linear", "llama3")  # supported RoPE scalings besides plain RoPE
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+FLOAT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Weight-only formats (s3d_jax/quant.py): the projections' weights quantized, the rest in float32.
+QUANTIZED_DTYPES = ("int8",)
+# A model's dtype and the float type its activations, norms and embeddings take.
+DTYPES = {**FLOAT_DTYPES, **{name: jnp.float32 for name in QUANTIZED_DTYPES}}
+QUANT_GROUP = 32  # a quantized weight's entries per scale, along its input (s3d_jax/quant.py)
 
 
 class ConfigError(ValueError):
@@ -125,6 +130,11 @@ class ModelConfig:
             raise ConfigError(f"mask_token_id {self.mask_token_id} is an EOS id too: the mask is never emitted, so decoding would not stop")
         if self.draft_skip is not None:
             validate_skip(self.draft_skip, self.num_layers)
+        if self.quantized:
+            for name in ("hidden_size", "intermediate_size", "head_dim"):  # the projections' input sizes
+                if getattr(self, name) % QUANT_GROUP:
+                    raise ConfigError(f"dtype {self.dtype} quantizes weights in groups of {QUANT_GROUP} along their input, and "
+                                      f"this model's {name} of {getattr(self, name)} is not a multiple of {QUANT_GROUP}")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
         # Normalise JSON dicts and lists into hashable dataclasses and tuples.
@@ -135,14 +145,20 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self):
+        """The float type of activations and unquantized weights."""
         return DTYPES[self.dtype]
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the projections' weights are held in a weight-only format (`QUANTIZED_DTYPES`)."""
+        return self.dtype in QUANTIZED_DTYPES
 
     @property
     def precision(self) -> str:
         """Every contraction's precision. Float32 weights get true float32 matmuls: a GPU's default
         rounds their operands to TF32 (10 mantissa bits), which a pass of several tokens and a step
         of one round differently, enough to change greedy tokens. A CPU computes float32 either way."""
-        return "highest" if self.dtype == "float32" else "default"
+        return "highest" if self.jnp_dtype == jnp.float32 else "default"
 
     @property
     def produced_vocab_size(self) -> int:

@@ -1,13 +1,16 @@
-// y = x @ w for a few rows of x (a decode pass: 1 to 16 tokens) against a large row-major float32 or
-// bfloat16 weight, as an XLA FFI handler for the CPU (s3d_jax/few_rows.py builds and registers it).
+// y = x @ w for a few rows of x (a decode pass: 1 to 16 tokens) against a large row-major weight, as
+// XLA FFI handlers for the CPU (s3d_jax/few_rows.py builds and registers them). The weight is float32,
+// bfloat16, or int8 in groups of 32 rows with one float32 scale per group and column (GGUF's Q8_0).
 //
 // XLA's CPU dot streams the weight once for one row, but for 2-16 rows it packs the weight into
 // panels first, so a pass over 5 tokens costs about 2x a one-token step. Here the weight is read
 // once, 8 rows of it at a time, for all of x's rows together; x's row t is accumulated in y's row t,
 // which stays in the L1 cache. A bfloat16 weight is widened to float32 in registers (exactly: its
-// bits are a float32's upper half), so it costs half the bytes and sums the same way. Each output
-// element is summed over k in the same order whatever the number of rows or threads, so a token's
-// logits do not depend on how many tokens share its pass.
+// bits are a float32's upper half); an int8 one is converted and multiplied by its group's scale,
+// one float32 product, the same one that dequantizing the weight in float32 would round. So every
+// weight sums the same way as its float32 value would. Each output element is summed over k in the
+// same order whatever the number of rows or threads, so a token's logits do not depend on how many
+// tokens share its pass.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -15,6 +18,10 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -26,27 +33,74 @@ typedef float Lanes __attribute__((vector_size(64), aligned(4), may_alias));  //
 typedef uint16_t Halves __attribute__((vector_size(32), aligned(2), may_alias));  // 16 bfloat16s
 typedef uint32_t Words __attribute__((vector_size(64)));
 
-// 16 weights (or one) as float32.
-inline Lanes Load16(const float* w) { return *reinterpret_cast<const Lanes*>(w); }
-inline Lanes Load16(const uint16_t* w) {
-  return reinterpret_cast<Lanes>(__builtin_convertvector(*reinterpret_cast<const Halves*>(w), Words) << 16);
+// 16 int8s as float32. The compiler leaves a generic int8 -> float vector conversion scalar.
+inline Lanes WidenBytes(const int8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Lanes>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  Lanes out;
+  std::memcpy(&out, &low, sizeof(low));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(low), &high, sizeof(high));
+  return out;
+#else
+  Lanes out;
+  for (int i = 0; i < 16; ++i) out[i] = float(p[i]);
+  return out;
+#endif
 }
-inline float Load1(const float* w) { return *w; }
-inline float Load1(const uint16_t* w) {
-  const uint32_t bits = uint32_t{*w} << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
+
+constexpr int64_t kGroup = 32;  // rows of an int8 weight sharing a scale (few_rows.py's GROUP)
+
+// Readers of a weight [K, N] as float32: 16 columns of row k from n, or one. `Group` is what a run
+// of rows in one group shares (an int8 weight's scales), loaded once for those rows.
+struct Float32Weight {
+  const float* w;
+  int64_t N;
+  struct Group {};
+  Group GroupAt(int64_t, int64_t) const { return {}; }
+  Lanes Load16(int64_t k, int64_t n, Group) const { return *reinterpret_cast<const Lanes*>(w + k * N + n); }
+  float Load1(int64_t k, int64_t n) const { return w[k * N + n]; }
+};
+
+struct Bfloat16Weight {
+  const uint16_t* w;
+  int64_t N;
+  struct Group {};
+  Group GroupAt(int64_t, int64_t) const { return {}; }
+  Lanes Load16(int64_t k, int64_t n, Group) const {
+    return reinterpret_cast<Lanes>(__builtin_convertvector(*reinterpret_cast<const Halves*>(w + k * N + n), Words) << 16);
+  }
+  float Load1(int64_t k, int64_t n) const {
+    const uint32_t bits = uint32_t{w[k * N + n]} << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+  }
+};
+
+struct Int8Weight {
+  const int8_t* w;
+  const float* scale;  // [K / kGroup, N]
+  int64_t N;
+  using Group = Lanes;
+  Group GroupAt(int64_t k, int64_t n) const { return *reinterpret_cast<const Lanes*>(scale + k / kGroup * N + n); }
+  Lanes Load16(int64_t k, int64_t n, Group scales) const {
+    return WidenBytes(w + k * N + n) * scales;
+  }
+  float Load1(int64_t k, int64_t n) const { return float(w[k * N + n]) * scale[k / kGroup * N + n]; }
+};
 
 constexpr int64_t kWeightRows = 8;    // weight rows read together
 constexpr int64_t kMaxRows = 8;       // rows of x per sweep over the weight
 constexpr int64_t kColumnAlign = 16;  // a thread's columns start on a whole vector
 
-// y[t, n0:n1] += sum over k in [k0, k0+KB) of x[t, k] * w[k, n0:n1], for T rows.
+// y[t, n0:n1] += sum over k in [k0, k0+KB) of x[t, k] * w[k, n0:n1], for T rows. The KB rows lie
+// in one group (k0 is a multiple of KB, which divides kGroup).
 template <int T, int KB, typename W>
-inline void Accumulate(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t k0, int64_t n0,
-                       int64_t n1) {
+inline void Accumulate(const float* x, const W& w, float* y, int64_t K, int64_t k0, int64_t n0, int64_t n1) {
+  const int64_t N = w.N;
   float xs[T][KB];
   for (int t = 0; t < T; ++t)
     for (int kk = 0; kk < KB; ++kk) xs[t][kk] = x[t * K + k0 + kk];
@@ -54,8 +108,9 @@ inline void Accumulate(const float* x, const W* w, float* y, int64_t K, int64_t 
   for (; n + 16 <= n1; n += 16) {
     Lanes acc[T];
     for (int t = 0; t < T; ++t) acc[t] = *reinterpret_cast<const Lanes*>(y + t * N + n);
+    const typename W::Group group = w.GroupAt(k0, n);
     for (int kk = 0; kk < KB; ++kk) {
-      const Lanes wv = Load16(w + (k0 + kk) * N + n);
+      const Lanes wv = w.Load16(k0 + kk, n, group);
       for (int t = 0; t < T; ++t) acc[t] += xs[t][kk] * wv;
     }
     for (int t = 0; t < T; ++t) *reinterpret_cast<Lanes*>(y + t * N + n) = acc[t];
@@ -63,21 +118,21 @@ inline void Accumulate(const float* x, const W* w, float* y, int64_t K, int64_t 
   for (; n < n1; ++n)
     for (int t = 0; t < T; ++t) {
       float s = y[t * N + n];
-      for (int kk = 0; kk < KB; ++kk) s += xs[t][kk] * Load1(w + (k0 + kk) * N + n);
+      for (int kk = 0; kk < KB; ++kk) s += xs[t][kk] * w.Load1(k0 + kk, n);
       y[t * N + n] = s;
     }
 }
 
 template <int T, typename W>
-void Columns(const float* x, const void* weight, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const W* w = static_cast<const W*>(weight);
-  for (int t = 0; t < T; ++t) std::memset(y + t * N + n0, 0, sizeof(float) * (n1 - n0));
+void Columns(const float* x, const void* weight, float* y, int64_t K, int64_t n0, int64_t n1) {
+  const W& w = *static_cast<const W*>(weight);
+  for (int t = 0; t < T; ++t) std::memset(y + t * w.N + n0, 0, sizeof(float) * (n1 - n0));
   int64_t k = 0;
-  for (; k + kWeightRows <= K; k += kWeightRows) Accumulate<T, kWeightRows>(x, w, y, K, N, k, n0, n1);
-  for (; k < K; ++k) Accumulate<T, 1>(x, w, y, K, N, k, n0, n1);
+  for (; k + kWeightRows <= K; k += kWeightRows) Accumulate<T, kWeightRows>(x, w, y, K, k, n0, n1);
+  for (; k < K; ++k) Accumulate<T, 1>(x, w, y, K, k, n0, n1);
 }
 
-using ColumnsFn = void (*)(const float*, const void*, float*, int64_t, int64_t, int64_t, int64_t);
+using ColumnsFn = void (*)(const float*, const void*, float*, int64_t, int64_t, int64_t);
 template <typename W>
 constexpr ColumnsFn kColumns[kMaxRows + 1] = {nullptr,       Columns<1, W>, Columns<2, W>, Columns<3, W>, Columns<4, W>,
                                               Columns<5, W>, Columns<6, W>, Columns<7, W>, Columns<8, W>};
@@ -86,8 +141,8 @@ constexpr ColumnsFn kColumns[kMaxRows + 1] = {nullptr,       Columns<1, W>, Colu
 // A caller never waits for a part nobody has claimed, so concurrent calls cannot starve each other.
 struct Job {
   const float* x;
-  const void* w;
-  const ColumnsFn* columns;  // kColumns of the weight's type
+  const void* w;             // the weight's reader (Float32Weight, ...), alive until the job is done
+  const ColumnsFn* columns;  // kColumns of the reader's type
   float* y;
   int64_t M, K, N, part_columns, parts;
   std::atomic<int64_t> next{0};
@@ -98,7 +153,7 @@ struct Job {
       const int64_t n0 = p * part_columns, n1 = std::min(N, n0 + part_columns);
       for (int64_t m = 0; m < M; m += kMaxRows) {
         const int64_t rows = std::min(kMaxRows, M - m);
-        columns[rows](x + m * K, w, y + m * N, K, N, n0, n1);
+        columns[rows](x + m * K, w, y + m * N, K, n0, n1);
       }
       done.fetch_add(1, std::memory_order_release);
     }
@@ -157,25 +212,18 @@ class Helpers {
   std::shared_ptr<Job> job_;
 };
 
-ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
-    return ffi::Error::InvalidArgument("few_row_matmul: expected x [M, K] and w [K, N]");
-  }
+// Runs the product over the calling thread and the helpers; `reader` outlives the job, which ends
+// before this returns.
+template <typename W>
+void Run(const float* x, const W& reader, float* y, int64_t M, int64_t K) {
   auto job = std::make_shared<Job>();
-  if (w.element_type() == ffi::DataType::F32) {
-    job->columns = kColumns<float>;
-  } else if (w.element_type() == ffi::DataType::BF16) {
-    job->columns = kColumns<uint16_t>;
-  } else {
-    return ffi::Error::InvalidArgument("few_row_matmul: the weight must be float32 or bfloat16");
-  }
-  job->x = x.typed_data();
-  job->w = w.untyped_data();
-  job->y = y->typed_data();
-  job->M = xd[0];
-  job->K = xd[1];
-  job->N = wd[1];
+  job->columns = kColumns<W>;
+  job->x = x;
+  job->w = &reader;
+  job->y = y;
+  job->M = M;
+  job->K = K;
+  job->N = reader.N;
   Helpers& helpers = Helpers::Get();
   // One part per thread, each streaming long contiguous runs of the weight's rows.
   const int64_t threads = helpers.size() + 1;
@@ -184,6 +232,31 @@ ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBu
   if (job->parts > 1) helpers.Post(job);
   job->RunParts();
   while (job->done.load(std::memory_order_acquire) < job->parts) std::this_thread::yield();
+}
+
+ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("few_row_matmul: expected x [M, K] and w [K, N]");
+  }
+  if (w.element_type() == ffi::DataType::F32) {
+    Run(x.typed_data(), Float32Weight{static_cast<const float*>(w.untyped_data()), wd[1]}, y->typed_data(), xd[0], xd[1]);
+  } else if (w.element_type() == ffi::DataType::BF16) {
+    Run(x.typed_data(), Bfloat16Weight{static_cast<const uint16_t*>(w.untyped_data()), wd[1]}, y->typed_data(), xd[0], xd[1]);
+  } else {
+    return ffi::Error::InvalidArgument("few_row_matmul: the weight must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error FewRowMatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || xd[1] != wd[0] || wd[0] % kGroup ||
+      sd[0] != wd[0] / kGroup || sd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("few_row_matmul_int8: expected x [M, K], w [K, N] and scale [K/32, N]");
+  }
+  Run(x.typed_data(), Int8Weight{w.typed_data(), scale.typed_data(), wd[1]}, y->typed_data(), xd[0], xd[1]);
   return ffi::Error::Success();
 }
 
@@ -200,4 +273,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmul, FewRowMatmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt8, FewRowMatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

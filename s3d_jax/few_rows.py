@@ -8,8 +8,8 @@ and how long it took) into `<cache root>/kernels/`, keyed on everything the bina
 checked against its recorded digest before every load: a truncated or foreign file is rebuilt.
 
 `matmul(x, w)` is the one entry point: the kernel where it applies (a CPU backend with one device,
-float32 or bfloat16, at most `MAX_ROWS` rows, the switch on), `jnp.tensordot` everywhere else. It is
-differentiable. Settings (docs/cpu.md):
+a float32, bfloat16 or int8 weight (`quant`), at most `MAX_ROWS` rows, the switch on), `jnp.tensordot`
+everywhere else, with an int8 weight dequantized first. It is differentiable. Settings (docs/cpu.md):
 - `S3D_JAX_FEW_ROW_KERNEL`: `0`/`false`/`no`/`off` keeps every product on XLA's dot. It is read
   when a function is traced; the decode engine's caches key on it (`switch`).
 - `S3D_JAX_FEW_ROW_THREADS`: the threads sharing a product, read once per process; by default the
@@ -38,10 +38,12 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
+from s3d_jax import quant
 from s3d_jax.paths import cache_root
 
 SOURCE = Path(__file__).with_name("few_rows.cc")
 TARGET = "s3d_few_row_matmul"
+TARGET_INT8 = "s3d_few_row_matmul_int8"
 MAX_ROWS = 16  # beyond this (prefill, training) XLA's dot is the faster one
 ENV_SWITCH = "S3D_JAX_FEW_ROW_KERNEL"
 ENV_THREADS = "S3D_JAX_FEW_ROW_THREADS"
@@ -186,12 +188,14 @@ def prepare() -> None:
         available()
 
 
-def _load(path: Path):
+def _load(path: Path) -> dict:
+    """The library's handlers by FFI target, its helper threads configured."""
     library = ctypes.cdll.LoadLibrary(str(path))
-    handler, configure = library.S3dFewRowMatmul, library.S3dFewRowConfigure  # AttributeError: not our library
+    handlers = {TARGET: library.S3dFewRowMatmul, TARGET_INT8: library.S3dFewRowMatmulInt8}  # AttributeError: not our library
+    configure = library.S3dFewRowConfigure
     configure.argtypes = [ctypes.c_int64, ctypes.c_int64]
     configure(threads(), spin_microseconds())
-    return handler
+    return handlers
 
 
 @functools.cache
@@ -202,21 +206,22 @@ def _registered() -> bool:
             if path.exists():
                 _notice(f"{path} is not the file its build wrote (truncated, replaced, or without its digest); rebuilding it")
             _build(path)
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_load(path)), platform="cpu")
+        for target, handler in _load(path).items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     except (OSError, RuntimeError, AttributeError, ValueError) as error:
         warnings.warn(f"few-row CPU kernel unavailable, decoding uses XLA's dot: {error}", RuntimeWarning, stacklevel=3)
         return False
     return True
 
 
-KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)  # of the weight and of x; the kernel sums in float32
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)  # of the weight and of x; the kernel sums in float32
 
 
 def applies(rows: int, x_dtype, w_dtype) -> bool:
     """Whether `matmul` uses the kernel for this product (decided when tracing)."""
     return (
         0 < rows <= MAX_ROWS
-        and x_dtype in KERNEL_DTYPES
+        and x_dtype in KERNEL_DTYPES[:2]
         and w_dtype in KERNEL_DTYPES
         and jax.default_backend() == "cpu"
         and jax.device_count() == 1  # sharded products stay with XLA's partitioner
@@ -236,8 +241,21 @@ def _kernel_jvp(primals, tangents):
     return _kernel(x, w), dx @ w + x @ dw
 
 
+@jax.custom_jvp
+def _int8_kernel(x_MK, values_KN, scale_GN):
+    out = jax.ShapeDtypeStruct((x_MK.shape[0], values_KN.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_INT8, out, vmap_method="sequential")(x_MK, values_KN, scale_GN)
+
+
+@_int8_kernel.defjvp
+def _int8_kernel_jvp(primals, tangents):
+    (x, values, scale), (dx, _, dscale) = primals, tangents  # int8 values have no tangent
+    return _int8_kernel(x, values, scale), dx @ quant.dequantize({"values": values, "scale": scale}, 1) + x @ quant.dequantize(
+        {"values": values, "scale": dscale}, 1)
+
+
 def result_dtype(x, w, preferred_element_type=None):
-    """What a product of x and w returns: `preferred_element_type` where given, else their promoted type."""
+    """What a product of x and w (arrays or dtypes) returns: `preferred_element_type` where given, else their promoted type."""
     return jnp.dtype(preferred_element_type or jnp.result_type(x, w))
 
 
@@ -254,11 +272,19 @@ def tensordot(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
 
 
 def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
-    """`x @ w` over x's last `n_in` axes and w's first `n_in`, as `jnp.tensordot` with the same arguments."""
-    in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
+    """`x @ w` over x's last `n_in` axes and w's first `n_in`, as `jnp.tensordot` with the same
+    arguments; `w` may be a quantized weight (`quant`), which stands for its float32 value."""
+    values = w["values"] if quant.is_quantized(w) else w
+    in_shape, out_shape = values.shape[:n_in], values.shape[n_in:]
     lead = x.shape[: x.ndim - n_in]
-    if not applies(math.prod(lead), x.dtype, w.dtype):
-        return tensordot(x, w, n_in, precision, preferred_element_type)
-    x_MK = x.reshape(math.prod(lead), math.prod(in_shape)).astype(jnp.float32)  # exact from bfloat16
-    y = _kernel(x_MK, w.reshape(math.prod(in_shape), math.prod(out_shape)))
-    return y.reshape(*lead, *out_shape).astype(result_dtype(x, w, preferred_element_type))
+    if not applies(math.prod(lead), x.dtype, values.dtype):
+        dense = quant.dequantize(w, n_in) if quant.is_quantized(w) else w
+        return tensordot(x, dense, n_in, precision, preferred_element_type)
+    K, N = math.prod(in_shape), math.prod(out_shape)
+    x_MK = x.reshape(math.prod(lead), K).astype(jnp.float32)  # exact from bfloat16
+    if quant.is_quantized(w):
+        y = _int8_kernel(x_MK, values.reshape(K, N), w["scale"].reshape(K // quant.GROUP, N))
+    else:
+        y = _kernel(x_MK, w.reshape(K, N))
+    dense_dtype = w["scale"].dtype if quant.is_quantized(w) else w.dtype
+    return y.reshape(*lead, *out_shape).astype(result_dtype(x.dtype, dense_dtype, preferred_element_type))

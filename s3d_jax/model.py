@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import few_rows
+from s3d_jax import few_rows, quant
 from s3d_jax.config import ModelConfig, RopeScaling
 
 NEG_INF = jnp.finfo(jnp.float32).min
@@ -76,7 +76,10 @@ class DraftLoRA(nn.Module):
 def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool, bias: bool = False):
     """`x @ W` (+ b) over the trailing `in_shape` axes, plus the draft-only LoRA update in draft passes."""
     c = module.config
-    w = module.param(name, init_normal, (*in_shape, *out_shape), c.jnp_dtype)
+    if c.quantized:
+        w = module.param(name, quant.initializer(init_normal), tuple(in_shape), tuple(out_shape))
+    else:
+        w = module.param(name, init_normal, (*in_shape, *out_shape), c.jnp_dtype)
     n_in = len(in_shape)
     y = few_rows.matmul(x, w, n_in, c.precision)
     if bias:

@@ -8,6 +8,8 @@ import dataclasses
 import math
 import numbers
 
+from s3d_jax.config import DTYPES
+
 METHODS = ("ar", "s3d", "selfspec")
 DEFAULT_GAMMA = 4
 # With a tree, draft only where the verifier picked x_n with at least this probability; elsewhere take
@@ -156,8 +158,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "bundled model; none for --model)")
     parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                         help="draft over the drafter's N most frequent tokens (0: the full vocabulary; default: the drafter's)")
-    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                        help="cast the weights on loading (default: the checkpoint's own)")
+    parser.add_argument("--dtype", default=None, choices=tuple(DTYPES),
+                        help="cast the weights on loading, or quantize the projections' (int8) (default: the checkpoint's own)")
     parser.add_argument("--mesh", default=None, metavar="model=N[,data=M]",
                         help="split the model over N devices, tensor-parallel (default: one device)")
 

@@ -20,11 +20,13 @@ from jax.sharding import PartitionSpec as P
 from s3d_jax.config import ConfigError, ModelConfig
 
 # Preferred axes per parameter, by the tail of its path: "fsdp" shards over the data axis when FSDP is on.
+# A quantized weight's values and scales (`quant`) have its rank and split as it does.
+_WEIGHT = r"(\['(values|scale)'\])?$"
 SHARDING_RULES = [
-    (r"\['(q|k|v)'\]$", ("fsdp", "model", None)),
-    (r"\['o'\]$", ("model", None, "fsdp")),
-    (r"\['(gate|up)'\]$", ("fsdp", "model")),
-    (r"\['down'\]$", ("model", "fsdp")),
+    (r"\['(q|k|v)'\]" + _WEIGHT, ("fsdp", "model", None)),
+    (r"\['o'\]" + _WEIGHT, ("model", None, "fsdp")),
+    (r"\['(gate|up)'\]" + _WEIGHT, ("fsdp", "model")),
+    (r"\['down'\]" + _WEIGHT, ("model", "fsdp")),
     (r"\['embed'\]$", ("fsdp", "model")),
     (r"\['lm_head'\]$", ("fsdp", "model")),
     # The drafter's LoRA adapters split as their weight does: by the output (b) of a column-split weight,

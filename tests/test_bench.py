@@ -160,6 +160,34 @@ def test_every_command_line_passes_its_dtype_to_load():
     for parse, argv in ((generate.parse_args, ["--prompt", "hi"]), (bench.parse_args, []), (bench_decode.parse_args, [])):
         assert load_arguments(parse(argv))["dtype"] is None
         assert load_arguments(parse([*argv, "--dtype", "bfloat16"]))["dtype"] == "bfloat16"
+        assert load_arguments(parse([*argv, "--dtype", "int8"]))["dtype"] == "int8"
+
+
+def test_bench_precisions_on_a_tiny_model(tmp_path):
+    """Each precision's plain and S3D engines in one run: S3D reproduces plain at every precision, and
+    float32 agrees with itself."""
+    model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, hidden_size=64, intermediate_size=64, num_heads=2,
+                       num_kv_heads=1, head_dim=32)
+    checkpoint.save(tmp_path / "model", model.params, model.config.replace(eos_token_ids=(2,)), bundled.tokenizer())
+    out = tmp_path / "precisions"
+    result = subprocess.run(
+        [sys.executable, "tools/bench_precisions.py", "--model", str(tmp_path / "model"), "--drafter", "none", "--dtypes", "float32,int8",
+         "--suite", "humaneval", "--limit", "1", "--max-new-tokens", "8", "--out", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((out / "precisions.json").read_text())["rows"]
+    assert [r["dtype"] for r in rows] == ["float32", "int8"]
+    assert all(r["s3d_differs_from_plain"] == 0 for r in rows)
+    assert rows[0]["agrees_with_float32"] == 1.0 and rows[0]["plain_vs_float32"] == 1.0
+    assert 0.0 <= rows[1]["agrees_with_float32"] <= 1.0
+    assert (out / "precisions.png").stat().st_size > 0 and "| int8 |" in (out / "precisions.md").read_text()
+
+
+def test_bench_precisions_needs_float32_first():
+    result = subprocess.run([sys.executable, "tools/bench_precisions.py", "--dtypes", "int8"], capture_output=True, text=True,
+                            timeout=120, cwd=Path(__file__).parents[1])
+    assert result.returncode == 2 and "must start with float32" in result.stderr
 
 
 def _alive(pid: int) -> bool:
