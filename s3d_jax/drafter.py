@@ -29,6 +29,7 @@ import numpy as np
 from flax import traverse_util
 from safetensors import SafetensorError, safe_open
 
+from s3d_jax import quant
 from s3d_jax.checkpoint import CheckpointError, Model, check_params, save_safetensors
 from s3d_jax.config import ModelConfig, validate_skip
 from s3d_jax.model import abstract_params
@@ -64,7 +65,7 @@ class Drafter:
 def base_identity(params, config: ModelConfig) -> dict:
     columns = np.arange(min(CHECKSUM_COLUMNS, config.vocab_size))
     columns = columns[columns != config.mask_token_id]  # the mask row is the drafter's own
-    table = np.asarray(jax.device_get(params["embed"]), np.float32)[:, columns]
+    table = np.asarray(jax.device_get(quant.columns(params["embed"], jnp.asarray(columns))), np.float32)  # the same at any precision
     return {**{name: getattr(config, name) for name in BASE_FIELDS}, "checksum": float(np.abs(table).sum(dtype=np.float64))}
 
 
@@ -100,7 +101,7 @@ def with_draft_vocab(params, config: ModelConfig, ranking: np.ndarray | None, si
         raise DrafterError("the token ranking holds ids the model never produces (the mask, padding, outside the vocabulary) "
                            "or repeats one: it was made for another model")
     head = params["embed"] if config.tie_embeddings else params["lm_head"]
-    params = {**params, "draft_vocab": jnp.asarray(ids), "draft_head": jnp.take(head, jnp.asarray(ids), axis=1)}
+    params = {**params, "draft_vocab": jnp.asarray(ids), "draft_head": quant.select_columns(head, jnp.asarray(ids))}
     return params, config.replace(draft_vocab_size=size)
 
 
@@ -201,7 +202,10 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
     skip = validate_skip(drafter.skip, config.num_layers)
     config = config.replace(draft_skip=skip, draft_gamma=drafter.gamma, draft_lora_rank=drafter.lora_rank, draft_tree=drafter.tree)
     dtype = config.jnp_dtype
-    flat = traverse_util.flatten_dict(model.params)  # a draft head applied before is replaced by `with_draft_vocab`
+    if drafter.mask_row.shape != (config.hidden_size,):
+        raise DrafterError(f"the drafter {where} has a mask row of shape {drafter.mask_row.shape}, the model needs ({config.hidden_size},)")
+    params = {**model.params, "embed": quant.set_column(model.params["embed"], config.mask_token_id, drafter.mask_row)}
+    flat = traverse_util.flatten_dict(params)  # a draft head applied before is replaced by `with_draft_vocab`
     flat = {k: v for k, v in flat.items() if not any("_lora" in p for p in k)}  # and adapters applied before, here
     if drafter.lora_rank:  # every layer's adapters (zero outside the draft layers), then the drafter's
         shapes = traverse_util.flatten_dict(abstract_params(config.replace(draft_vocab_size=0)))  # no second model in memory
@@ -211,9 +215,6 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
             raise DrafterError(f"the drafter {where} has an adapter {'/'.join(k)} of shape {v.shape} that the model does not "
                                f"(expected {None if k not in flat else flat[k].shape})")
         flat[k] = jnp.asarray(v, dtype)
-    if drafter.mask_row.shape != (config.hidden_size,):
-        raise DrafterError(f"the drafter {where} has a mask row of shape {drafter.mask_row.shape}, the model needs ({config.hidden_size},)")
-    flat[("embed",)] = flat[("embed",)].at[:, config.mask_token_id].set(jnp.asarray(drafter.mask_row, dtype))
     size = drafter.draft_vocab_size if draft_vocab_size is None else check_int("draft_vocab_size", draft_vocab_size, 0)
     params, config = with_draft_vocab(traverse_util.unflatten_dict(flat), config, drafter.ranking, size)
     check_params(params, config)

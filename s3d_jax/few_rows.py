@@ -278,8 +278,14 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
     in_shape, out_shape = values.shape[:n_in], values.shape[n_in:]
     lead = x.shape[: x.ndim - n_in]
     if not applies(math.prod(lead), x.dtype, values.dtype):
-        dense = quant.dequantize(w, n_in) if quant.is_quantized(w) else w
-        return tensordot(x, dense, n_in, precision, preferred_element_type)
+        if quant.is_quantized(w):
+            # Made to depend on x (adding zero, exactly), so that XLA dequantizes each weight when its
+            # product is due: with no such dependency it dequantized every weight up front, a float32
+            # copy of the model in a prefill's temporaries. An optimization barrier does not survive
+            # to XLA's CPU scheduler.
+            zero = 0 * x.reshape(-1)[0].astype(jnp.float32)
+            w = {**w, "scale": w["scale"] + zero}
+        return tensordot(x, quant.dense(w, n_in), n_in, precision, preferred_element_type)
     K, N = math.prod(in_shape), math.prod(out_shape)
     x_MK = x.reshape(math.prod(lead), K).astype(jnp.float32)  # exact from bfloat16
     if quant.is_quantized(w):

@@ -73,13 +73,23 @@ class DraftLoRA(nn.Module):
         return few_rows.tensordot(low, b, 1, self.precision)
 
 
+def weight(module: nn.Module, name: str, in_shape, out_shape):
+    """A weight `[*in_shape, *out_shape]` in the config's dtype: a float array, or quantized (`quant`)."""
+    c = module.config
+    if c.quantized:
+        return module.param(name, quant.initializer(init_normal), tuple(in_shape), tuple(out_shape))
+    return module.param(name, init_normal, (*in_shape, *out_shape), c.jnp_dtype)
+
+
+def vocabulary_table(module: nn.Module, name: str):
+    """The embedding or the head, `[D, V]`: one column per token, the layout the head's matmul reads in place."""
+    return weight(module, name, (module.config.hidden_size,), (module.config.vocab_size,))
+
+
 def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool, bias: bool = False):
     """`x @ W` (+ b) over the trailing `in_shape` axes, plus the draft-only LoRA update in draft passes."""
     c = module.config
-    if c.quantized:
-        w = module.param(name, quant.initializer(init_normal), tuple(in_shape), tuple(out_shape))
-    else:
-        w = module.param(name, init_normal, (*in_shape, *out_shape), c.jnp_dtype)
+    w = weight(module, name, in_shape, out_shape)
     n_in = len(in_shape)
     y = few_rows.matmul(x, w, n_in, c.precision)
     if bias:
@@ -254,14 +264,14 @@ class Transformer(nn.Module):
         c = self.config
         # One column per token, [D, V]: the layout the (tied) head's matmul reads in place. A step
         # looks up only B x T columns, so the lookup's layout hardly matters.
-        self.embedding = self.param("embed", init_normal, (c.hidden_size, c.vocab_size), c.jnp_dtype)
+        self.embedding = vocabulary_table(self, "embed")
         self.blocks = [Block(c, i, name=f"layer_{i}") for i in range(c.num_layers)]
         self.final_norm = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one)
         if not c.tie_embeddings:
-            self.lm_head = self.param("lm_head", init_normal, (c.hidden_size, c.vocab_size), c.jnp_dtype)
+            self.lm_head = vocabulary_table(self, "lm_head")
         if c.draft_vocab_size:  # the reduced draft head: token ids (ascending) and a copy of their head columns
             self.draft_vocab = self.param("draft_vocab", lambda _: default_draft_vocab(c))
-            self.draft_head = self.param("draft_head", lambda _: self.head()[:, self.draft_vocab])
+            self.draft_head = self.param("draft_head", lambda _: quant.select_columns(self.head(), self.draft_vocab))
 
     def __call__(
         self,
@@ -280,7 +290,7 @@ class Transformer(nn.Module):
         of `layers`, at positions `context_positions_BS` (for sliding windows). `draft` applies the
         draft-only adapters, if the model has them.
         """
-        x_BTD = jnp.moveaxis(jnp.take(self.embedding, tokens_BT, axis=1), 0, -1)
+        x_BTD = jnp.moveaxis(quant.columns(self.embedding, tokens_BT), 0, -1)
         if self.config.scale_embeddings:  # by sqrt(D) rounded to the weights' dtype, as transformers does
             x_BTD = x_BTD * jnp.asarray(np.float32(self.config.hidden_size**0.5)).astype(x_BTD.dtype)
         block_kvs = []
@@ -301,7 +311,7 @@ class Transformer(nn.Module):
 
     def context_logits(self, hidden_BTD, ids_BL):
         """Float32 logits of each row at its own token ids `ids_BL`, `[B, T, L]` (head columns gathered)."""
-        return jnp.einsum("btd,dbl->btl", hidden_BTD, jnp.take(self.head(), ids_BL, axis=1), preferred_element_type=jnp.float32,
+        return jnp.einsum("btd,dbl->btl", hidden_BTD, quant.columns(self.head(), ids_BL), preferred_element_type=jnp.float32,
                           precision=self.config.precision)
 
     def reduced_logits(self, hidden_BTD):
@@ -313,8 +323,8 @@ class Transformer(nn.Module):
         """All layers over `tokens` with nothing before them (prompt pass, training target, `logits`)."""
         c = self.config
         B = tokens_BT.shape[0]
-        empty_k = jnp.zeros((B, c.num_kv_heads, 0, c.head_dim), self.embedding.dtype)
-        empty_v = jnp.zeros((B, c.num_kv_heads, c.head_dim, 0), self.embedding.dtype)
+        empty_k = jnp.zeros((B, c.num_kv_heads, 0, c.head_dim), c.jnp_dtype)
+        empty_v = jnp.zeros((B, c.num_kv_heads, c.head_dim, 0), c.jnp_dtype)
         no_context_BS = jnp.zeros((B, 0), jnp.int32)
         no_context_BTS = jnp.zeros((*mask_BTT.shape[:2], 0), bool)
         kvs = [(empty_k, empty_v)] * c.num_layers

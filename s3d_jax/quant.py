@@ -1,12 +1,14 @@
-"""Weight-only quantization: the projections' weights in int8, everything else in float32.
+"""Weight-only quantization: the projections' weights and the vocabulary tables in int8, everything
+else in float32.
 
 A quantized weight is a dict in the params tree, `{"values": int8 [*in, *out], "scale": float32
 [*in[:-1], in[-1] / GROUP, *out]}`: groups of `GROUP` consecutive entries along the last input axis,
-one scale per group and output (the layout of GGUF's Q8_0, whose blocks load as they are). Its value
-is `values * scale`, one float32 product per entry, so a product with the quantized weight equals a
-product with that float32 weight: decoding in int8 is decoding a float32 model whose weights are the
-dequantized ones, and speculative decoding stays token-exact. Norms, embeddings, the head and the
-drafter's adapters stay float32 (docs/models.md, "Precisions").
+one scale per group and output (the layout of GGUF's Q8_0). Its value is `values * scale`, one
+float32 product per entry, so a product with the quantized weight equals a product with that float32
+weight: decoding in int8 is decoding a float32 model whose weights are the dequantized ones, and
+speculative decoding stays token-exact. A vocabulary table `[D, V]` is grouped along D, the head's
+input, and a token's embedding is its dequantized column. Norms, biases and the drafter's adapters
+stay float32 (docs/models.md, "Precisions").
 
 `few_rows.matmul` reads a quantized weight directly in the CPU kernel (decode passes) and
 dequantizes it for XLA's dot everywhere else (prefill, training, other backends).
@@ -14,21 +16,20 @@ dequantizes it for XLA's dot everywhere else (prefill, training, other backends)
 
 from __future__ import annotations
 
-import jax
+from collections.abc import Mapping
+
 import jax.numpy as jnp
 import numpy as np
 
 from s3d_jax.config import QUANT_GROUP as GROUP  # entries sharing a scale, along a weight's last input axis
 
-PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # the weights quantized; the rest stay float32
+# The weights quantized, by name, with their input axes; the rest stay float32.
+QUANTIZED_INPUTS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1,  # o reads [heads, head_dim]
+                    "embed": 1, "lm_head": 1, "draft_head": 1}  # vocabulary tables [D, V]
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, dict) and "values" in w
-
-
-def scale_shape(in_shape, out_shape) -> tuple[int, ...]:
-    return (*in_shape[:-1], in_shape[-1] // GROUP, *out_shape)
+    return isinstance(w, Mapping) and "values" in w  # a dict, or flax's FrozenDict inside a module
 
 
 def quantize(w, n_in: int) -> dict:
@@ -62,29 +63,48 @@ def initializer(init):
     return init_quantized
 
 
-def projection_inputs(name: str) -> int | None:
-    """The input axes of the projection weight called `name` in a layer, or None for any other parameter."""
-    if name not in PROJECTIONS:
-        return None
-    return 2 if name == "o" else 1  # o reads [heads, head_dim]
+def dense(w, n_in: int = 1):
+    """`w` as a float array: dequantized if quantized."""
+    return dequantize(w, n_in) if is_quantized(w) else w
+
+
+def columns(table, ids):
+    """Columns `ids` (any shape) of a vocabulary table `[D, V]`, as `[D, *ids.shape]` in float."""
+    if not is_quantized(table):
+        return jnp.take(table, ids, axis=1)
+    return dense({"values": jnp.take(table["values"], ids, axis=1), "scale": jnp.take(table["scale"], ids, axis=1)})
+
+
+def select_columns(table, ids):
+    """A table of the columns `ids` of `table`, quantized as `table` is (a reduced draft head)."""
+    if not is_quantized(table):
+        return jnp.take(table, ids, axis=1)
+    return {k: jnp.take(v, ids, axis=1) for k, v in table.items()}
+
+
+def set_column(table, index: int, column):
+    """`table` with column `index` replaced by the float vector `column` (quantized if the table is)."""
+    if not is_quantized(table):
+        return table.at[:, index].set(jnp.asarray(column, table.dtype))
+    one = quantize(jnp.asarray(column, jnp.float32)[:, None], 1)
+    return {k: table[k].at[:, index].set(one[k][:, 0]) for k in table}
 
 
 def quantize_params(params):
-    """Float params with every projection weight quantized (the layout `model.abstract_params` gives
-    a config whose dtype is a quantized format)."""
-    return _map_projections(params, lambda w, n_in: quantize(w, n_in))
+    """Float params with every weight of `QUANTIZED_INPUTS` quantized (the layout `model.abstract_params`
+    gives a config whose dtype is a quantized format)."""
+    return _map_quantized(params, lambda w, n_in: w if is_quantized(w) else quantize(w, n_in))
 
 
 def dequantize_params(params):
-    """Quantized params with every projection weight in float32."""
-    return _map_projections(params, lambda w, n_in: dequantize(w, n_in) if is_quantized(w) else w)
+    """Params with every quantized weight in float32."""
+    return _map_quantized(params, lambda w, n_in: dense(w, n_in))
 
 
-def _map_projections(params, fn):
-    def visit(path, node):
+def _map_quantized(params, fn):
+    def visit(name, node):
         if isinstance(node, dict) and not is_quantized(node):
-            return {k: visit((*path, jax.tree_util.DictKey(k)), v) for k, v in node.items()}
-        n_in = projection_inputs(path[-1].key) if path else None
-        return node if n_in is None else fn(node, n_in)
+            return {k: visit(k, v) for k, v in node.items()}
+        return fn(node, QUANTIZED_INPUTS[name]) if name in QUANTIZED_INPUTS else node
 
-    return visit((), params)
+    return visit(None, params)

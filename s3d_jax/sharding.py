@@ -27,8 +27,7 @@ SHARDING_RULES = [
     (r"\['o'\]" + _WEIGHT, ("model", None, "fsdp")),
     (r"\['(gate|up)'\]" + _WEIGHT, ("fsdp", "model")),
     (r"\['down'\]" + _WEIGHT, ("model", "fsdp")),
-    (r"\['embed'\]$", ("fsdp", "model")),
-    (r"\['lm_head'\]$", ("fsdp", "model")),
+    (r"\['(embed|lm_head)'\]" + _WEIGHT, ("fsdp", "model")),
     # The drafter's LoRA adapters split as their weight does: by the output (b) of a column-split weight,
     # by the input (a) of a row-split one. The other factor is rank-sized and stays whole.
     (r"\['(q|k|v)_lora'\]\['b'\]$", (None, "model", None)),
@@ -128,11 +127,11 @@ def decode_shardings(params, config: ModelConfig, mesh: jax.sharding.Mesh):
 
     def spec(path, x):
         name = jax.tree_util.keystr(path)
-        if re.search(r"\['(embed|lm_head|draft_head)'\]$", name):  # [hidden, tokens]
+        if re.search(r"\['(embed|lm_head|draft_head)'\]" + _WEIGHT, name):  # [hidden, tokens] (or hidden / 32 for scales)
             if x.shape[1] % n == 0:
                 return NamedSharding(mesh, P(None, "model"))
             if config.hidden_size % n == 0:
-                return NamedSharding(mesh, P("model", None))
+                return NamedSharding(mesh, P("model" if x.shape[0] % n == 0 else None, None))
             raise ConfigError(f"the mesh's model axis of {n} devices divides neither the {x.shape[1]} tokens of {name} nor the "
                               f"hidden size of {config.hidden_size}: the table cannot be split evenly")
         return NamedSharding(mesh, spec_for(name, x.shape, mesh.shape, fsdp=False))

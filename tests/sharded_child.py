@@ -10,7 +10,7 @@ import numpy as np
 from reference import tiny_model
 
 import s3d_jax
-from s3d_jax import checkpoint
+from s3d_jax import checkpoint, quant
 
 # Families: heads and key/value heads chosen so that some mesh sizes divide them and others do not.
 FAMILIES = {
@@ -20,6 +20,8 @@ FAMILIES = {
     "gemma2": dict(architecture="gemma2", num_heads=6, num_kv_heads=3, head_dim=8, hidden_size=48, intermediate_size=96, vocab_size=98,
                    mask_token_id=97, post_norms=True, norm_plus_one=True, scale_embeddings=True, attn_softcap=50.0, final_softcap=30.0,
                    hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=8, tie_embeddings=True),
+    # int8 projections (quant.py): inputs of whole groups of 32.
+    "llama_int8": dict(num_heads=4, num_kv_heads=2, head_dim=32, hidden_size=64, intermediate_size=128, vocab_size=98, mask_token_id=97),
 }
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 3, 4, 2]]
 METHODS = {"ar": dict(method="ar"), "s3d_tree": dict(), "s3d_chain": dict(tree=0), "selfspec": dict(method="selfspec"),
@@ -50,6 +52,8 @@ def main():
     else:
         model = tiny_model(seed=2, **FAMILIES[spec["family"]])
         one = s3d_jax.Model(model.params, model.config.replace(draft_skip=(1, 2), draft_gamma=3, draft_tree=4))
+        if spec["family"].endswith("_int8"):
+            one = s3d_jax.Model(quant.quantize_params(one.params), one.config.replace(dtype="int8"))
         path = checkpoint.save(spec["tmp"], one.params, one.config)
         load, prompts = dict(path=str(path), drafter=None), PROMPTS
         methods = {k: METHODS[k] for k in spec.get("methods", METHODS)}

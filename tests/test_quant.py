@@ -91,7 +91,8 @@ def test_more_rows_and_gradients_use_the_dequantized_weight():
 
 def test_an_int8_model_is_the_float_model_of_its_dequantized_weights(int8_model):
     ids = np.random.default_rng(0).integers(0, 90, (2, 9))
-    np.testing.assert_array_equal(np.asarray(s3d_jax.logits(int8_model, ids)), np.asarray(s3d_jax.logits(dequantized(int8_model), ids)))
+    # More rows than the kernel takes: XLA's dot, which may sum a dequantized weight in another order.
+    np.testing.assert_allclose(s3d_jax.logits(int8_model, ids), s3d_jax.logits(dequantized(int8_model), ids), rtol=1e-5, atol=1e-5)
     prompt = [5, 17, 3, 40]
     got = s3d_jax.decode(int8_model, prompt, method="ar", max_new_tokens=16, eos_token_ids=())
     want = s3d_jax.decode(dequantized(int8_model), prompt, method="ar", max_new_tokens=16, eos_token_ids=())

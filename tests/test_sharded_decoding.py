@@ -35,6 +35,7 @@ def run_child(spec: dict, devices: int) -> dict:
     ("llama", ["ar", "s3d_tree", "s3d_chain", "selfspec", "sampled"], (1, 4), {3: "num_heads of 8"}),
     ("qwen3", ["ar", "s3d_tree", "sampled"], (2, 3), {4: "num_kv_heads of 6"}),
     ("gemma2", ["ar", "s3d_tree", "sampled"], (3,), {2: "num_kv_heads of 3", 4: "num_heads of 6"}),
+    ("llama_int8", ["ar", "s3d_tree", "sampled"], (2,), {3: "num_heads of 4"}),  # int8 values and scales split with their weights
 ])
 def test_every_method_decodes_over_a_mesh_as_on_one_device(tmp_path, family, methods, divides, refused):
     """Plain, S3D's chain and tree, self-speculative and seeded sampling: the same tokens as on one device."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for the main table on a CUDA GPU:
 #     bash tools/gpu_bench.sh [LIMIT]
-# It runs the pass costs (float32 and bfloat16), then the whole drafter recipe of configs/smollm2.py
+# It runs the pass costs (float32 and bfloat16), then the whole drafter recipe of configs/smollm2_small.py
 # (the model's own replies with s3d_jax.self_data, then training), then the comparison table with that
 # drafter and with the drafter shipped in the package (float32 and bfloat16), and prints a summary last.
 # It needs JAX with CUDA, flax, optax, orbax-checkpoint and transformers (a standard CUDA JAX image
@@ -44,7 +44,7 @@ python3 -m s3d_jax.predict --drafters s3d_jax/drafters/SmolLM2-135M-Instruct.saf
   --max-gamma 4 --sweep --out "$OUT/predict_trees" 2> "$OUT/predict.log" | tee "$OUT/predict.txt"
 python3 -m s3d_jax.self_data --out runs/smollm2_replies.jsonl --limit 640 --batch 64 --max-new-tokens 192 \
   --max-prompt-tokens 128 2> "$OUT/self_data.log" | tail -n 1
-python3 -m s3d_jax.train --config configs/smollm2.py --workdir "$OUT/drafter" 2> "$OUT/train.log" | tail -n 3
+python3 -m s3d_jax.train --config configs/smollm2_small.py --workdir "$OUT/drafter" 2> "$OUT/train.log" | tail -n 3
 PEERS=""
 python3 -c "import torch" 2>/dev/null && PEERS="hf,hf_early_exit,hf_prompt_lookup"
 python3 -m s3d_jax.bench --drafter "$OUT/drafter/drafter.safetensors" --suite mt_bench,humaneval,news --limit "$LIMIT" \

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import jax
 
-from s3d_jax import checkpoint
+from s3d_jax import checkpoint, quant
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import DTYPES, ConfigError, ModelConfig
 from s3d_jax.convert.export import config_to_hf, export_hf
@@ -96,6 +96,8 @@ def convert(src: str | Path, out: str | Path, dtype: str = "float32", progress: 
     params, config = pad_vocab(params, config, recorded.get("output_vocab_size"))
     if recorded.get("draft_skip"):
         config = config.replace(draft_skip=tuple(recorded["draft_skip"]), draft_gamma=recorded.get("draft_gamma", config.draft_gamma))
+    if config.quantized:
+        params = quant.quantize_params(params)
     return checkpoint.save(out, params, config, source.tokenizer, overwrite=overwrite)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from s3d_jax import quant
 from s3d_jax.checkpoint import Model, atomic_dir, save_safetensors
 from s3d_jax.config import ModelConfig, RopeScaling
 from s3d_jax.convert.layout import params_to_hf
@@ -27,7 +28,7 @@ def export_hf(model: Model, out: str | Path, overwrite: bool = False) -> Path:
     The mask row stays in the vocabulary and the padding rows are dropped, so converting the directory
     back gives the same model. Written atomically; a non-empty `out` is refused unless `overwrite`, and
     then replaced whole (no stale shard or index of an older model survives beside the new file)."""
-    params, config = unpad_vocab(dict(model.params), model.config)
+    params, config = unpad_vocab(quant.dequantize_params(dict(model.params)), model.config)  # int8 goes out dequantized
     with atomic_dir(out, overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=1))
         (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": list(model.config.eos_token_ids)}))

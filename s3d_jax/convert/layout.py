@@ -21,7 +21,6 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 from tqdm.auto import tqdm
 
-from s3d_jax import quant
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import ModelConfig
 from s3d_jax.model import abstract_params
@@ -155,8 +154,8 @@ IGNORED = (re.compile(r".*\.rotary_emb\.inv_freq"),)  # buffers some old checkpo
 
 
 def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, progress: bool = False) -> dict:
-    """Maps HF-named weights to a params tree of numpy arrays in `config.dtype`, checking every shape.
-    A quantized dtype quantizes each projection as it is converted (`quant`)."""
+    """Maps HF-named weights to a params tree of numpy arrays in `config.jnp_dtype` (float32 for a
+    quantized dtype: `convert` quantizes once the vocabulary rows are final), checking every shape."""
     expected = flatten_dict(abstract_params(config.replace(dtype="float32") if config.quantized else config), sep="/")
     target_dtype = np.dtype(config.jnp_dtype)
     flat: dict[str, np.ndarray] = {}
@@ -180,9 +179,6 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, progr
                 raise CheckpointError(f"tensor {name} sets {target}, which {source_of[target]} already set")
             assert tuple(out.shape) == tuple(expected[target].shape), (name, target, out.shape)
             flat[target] = np.ascontiguousarray(out, dtype=target_dtype)
-            n_in = quant.projection_inputs(target.rsplit("/", 1)[-1])
-            if config.quantized and n_in:
-                flat[target] = quant.quantize(flat[target], n_in)
             source_of[target] = name
         del w
     missing = [t for t in expected if t not in flat]
@@ -193,8 +189,8 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, progr
 
 def params_to_hf(params, config: ModelConfig) -> dict[str, np.ndarray]:
     """HF tensor names in torch layouts, float32. Draft-only LoRA weights have no HF counterpart and are
-    left out: the full model does not use them. Quantized weights are written dequantized."""
-    flat = flatten_dict(quant.dequantize_params(params), sep="/")
+    left out: the full model does not use them."""
+    flat = flatten_dict(params, sep="/")
     fused = config.architecture in FUSED_ARCHITECTURES
     out = {}
     for rule in RULES:

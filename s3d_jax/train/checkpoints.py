@@ -21,7 +21,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from s3d_jax import bundled, checkpoint
+from s3d_jax import bundled, checkpoint, quant
 from s3d_jax.checkpoint import CheckpointError, Model
 from s3d_jax.config import ConfigError, ModelConfig
 from s3d_jax.model import cast_params, init_params
@@ -51,7 +51,7 @@ def load_base_model(cfg: ml_collections.ConfigDict) -> Model:
         raise ConfigError(f"data.max_len {cfg.data.max_len} exceeds the model's {model.config.max_position_embeddings} positions")
     # Master weights are float32; `train.compute_dtype` sets the precision of the passes.
     config = model.config.replace(dtype="float32", draft_lora_rank=cfg.s3d.lora_rank)
-    params = cast_params(model.params, jnp.float32)
+    params = cast_params(quant.dequantize_params(model.params), jnp.float32)  # an int8 base trains from its float32 value
     if cfg.s3d.lora_rank:  # the base weights, plus new adapters
         merged = traverse_util.flatten_dict(init_params(config, jax.random.key(cfg.train.seed + 1)))
         merged.update(traverse_util.flatten_dict(params))
@@ -239,4 +239,6 @@ def export(params, config: ModelConfig, objective: Objective, tokenizer, out: Pa
     """Writes a model directory that `s3d_jax.load` reads, with the drafter's defaults recorded."""
     config = config.replace(dtype=dtype, draft_skip=objective.skip, draft_gamma=objective.gamma)
     params = cast_params(jax.device_get(params), config.jnp_dtype)
+    if config.quantized:
+        params = quant.quantize_params(params)
     return checkpoint.save(out, params, config, tokenizer, overwrite=True)  # the run's own output, replaced whole

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import ml_collections
 
-from s3d_jax.config import DTYPES, ConfigError, ModelConfig, validate_skip
+from s3d_jax.config import DTYPES, FLOAT_DTYPES, ConfigError, ModelConfig, validate_skip
 from s3d_jax.data import LOSS_ON
 from s3d_jax.objective import LOSS_POSITIONS, MASKINGS, TARGETS, Objective
 
@@ -152,7 +152,7 @@ FIELD_RULES = {
     "train.steps": _int_at_least(1), "train.batch_size": _int_at_least(1), "train.grad_accum": _int_at_least(1),
     "train.lr": _number(0, above=True), "train.warmup_steps": _int_at_least(0), "train.final_lr_fraction": _number(0, 1),
     "train.b1": _number(0, 1, below=True), "train.b2": _number(0, 1, below=True), "train.weight_decay": _number(0),
-    "train.grad_clip": _number(0, above=True), "train.compute_dtype": _one_of(*DTYPES), "train.seed": _int_at_least(0),
+    "train.grad_clip": _number(0, above=True), "train.compute_dtype": _one_of(*FLOAT_DTYPES), "train.seed": _int_at_least(0),
     "train.log_every": _int_at_least(1), "train.eval_every": _int_at_least(1), "train.checkpoint_every": _int_at_least(1),
     "train.keep_checkpoints": _int_at_least(1),
     "mesh.data": ((lambda v: _is_int(v)), "an integer (<= 0: every device that `mesh.model` leaves)"),
