@@ -30,19 +30,17 @@ def gguf_path() -> Path:
 
 
 def model_dir(dtype: str = "float32") -> Path:
-    """Where the converted model lives, in `cache_root()`: float32, or a quantized dtype's own copy."""
-    quantized = f".{dtype}" if dtype in QUANTIZED_DTYPES else ""
-    return cache_root() / f"SmolLM2-135M-Instruct{quantized}.format{checkpoint.FORMAT}"  # a new format converts afresh
+    """Where the model converted to `dtype` lives, in `cache_root()`."""
+    suffix = "" if dtype == "float32" else f".{dtype}"
+    return cache_root() / f"SmolLM2-135M-Instruct{suffix}.format{checkpoint.FORMAT}"  # a new format converts afresh
 
 
 def ensure_converted(dtype: str = "float32") -> Path:
-    """The converted directory, converting the GGUF on first use (safe against a concurrent first use).
-    A quantized dtype has a directory of its own, so that loading it never holds the float32 weights."""
+    """The directory converted to `dtype`, converting the GGUF on first use (safe against a concurrent first use)."""
     target = model_dir(dtype)
     if not (target / checkpoint.CONFIG_FILE).exists():
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        quantized = dtype if dtype in QUANTIZED_DTYPES else "float32"
-        convert(gguf_path(), tmp, quantized, overwrite=True)  # this process's own, perhaps left by a killed one with its pid
+        convert(gguf_path(), tmp, dtype, overwrite=True)  # this process's own, perhaps left by a killed one with its pid
         try:
             tmp.rename(target)
         except OSError:  # another process finished first
@@ -51,7 +49,9 @@ def ensure_converted(dtype: str = "float32") -> Path:
 
 
 def load(dtype: str | None = None, mesh=None) -> Model:
-    return checkpoint.load(ensure_converted(dtype or "float32"), dtype, mesh)
+    # A quantized dtype has a directory of its own, so that loading it never holds the float32 weights;
+    # the float types cast the float32 one as it loads.
+    return checkpoint.load(ensure_converted(dtype if dtype in QUANTIZED_DTYPES else "float32"), dtype, mesh)
 
 
 def tokenizer():

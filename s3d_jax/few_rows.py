@@ -214,15 +214,16 @@ def _registered() -> bool:
     return True
 
 
-KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)  # of the weight and of x; the kernel sums in float32
+INPUT_DTYPES = (jnp.float32, jnp.bfloat16)  # of x; the kernel sums in float32
+WEIGHT_DTYPES = (*INPUT_DTYPES, jnp.int8)  # an int8 weight with its scales (`quant`)
 
 
 def applies(rows: int, x_dtype, w_dtype) -> bool:
     """Whether `matmul` uses the kernel for this product (decided when tracing)."""
     return (
         0 < rows <= MAX_ROWS
-        and x_dtype in KERNEL_DTYPES[:2]
-        and w_dtype in KERNEL_DTYPES
+        and x_dtype in INPUT_DTYPES
+        and w_dtype in WEIGHT_DTYPES
         and jax.default_backend() == "cpu"
         and jax.device_count() == 1  # sharded products stay with XLA's partitioner
         and available()
@@ -274,11 +275,12 @@ def tensordot(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
 def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
     """`x @ w` over x's last `n_in` axes and w's first `n_in`, as `jnp.tensordot` with the same
     arguments; `w` may be a quantized weight (`quant`), which stands for its float32 value."""
-    values = w["values"] if quant.is_quantized(w) else w
+    quantized = quant.is_quantized(w)
+    values = w["values"] if quantized else w
     in_shape, out_shape = values.shape[:n_in], values.shape[n_in:]
     lead = x.shape[: x.ndim - n_in]
     if not applies(math.prod(lead), x.dtype, values.dtype):
-        if quant.is_quantized(w):
+        if quantized:
             # Made to depend on x (adding zero, exactly), so that XLA dequantizes each weight when its
             # product is due: with no such dependency it dequantized every weight up front, a float32
             # copy of the model in a prefill's temporaries. An optimization barrier does not survive
@@ -288,9 +290,9 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
         return tensordot(x, quant.dense(w, n_in), n_in, precision, preferred_element_type)
     K, N = math.prod(in_shape), math.prod(out_shape)
     x_MK = x.reshape(math.prod(lead), K).astype(jnp.float32)  # exact from bfloat16
-    if quant.is_quantized(w):
+    if quantized:
         y = _int8_kernel(x_MK, values.reshape(K, N), w["scale"].reshape(K // quant.GROUP, N))
     else:
         y = _kernel(x_MK, w.reshape(K, N))
-    dense_dtype = w["scale"].dtype if quant.is_quantized(w) else w.dtype
+    dense_dtype = w["scale"].dtype if quantized else w.dtype
     return y.reshape(*lead, *out_shape).astype(result_dtype(x.dtype, dense_dtype, preferred_element_type))
