@@ -145,8 +145,8 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 def load(path: str | os.PathLike, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None) -> Model:
     """A converted model: its params (cast to `dtype`), config and tokenizer. With a `mesh`, each device
     reads only its own part of each weight (`sharding.shardings`); `sharding.place` finishes the layout.
-    A float model loaded as a quantized dtype (`quant`) is quantized as it loads, and a quantized one
-    loaded as a float dtype is dequantized."""
+    A model loaded as another quantized dtype (`quant`) is quantized as it loads (from its float32
+    value), and a quantized one loaded as a float dtype is dequantized."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"a model path must be a str or os.PathLike, got {type(path).__name__}")
     if dtype is not None and dtype not in DTYPES:
@@ -166,19 +166,25 @@ def load(path: str | os.PathLike, dtype: str | None = None, mesh: jax.sharding.M
             # on it casts while reading, so the stored dtype is never held whole beside the new one.
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             placement = jax.tree.map(lambda _: device, expected) if mesh is None else sharding.decode_shardings(expected, config, mesh)
-            target = jax.tree.map(
-                lambda x, where: jax.ShapeDtypeStruct(x.shape, cast_dtype(x.dtype, read_as) if read_as else x.dtype, sharding=where),
-                expected, placement)
+            target = jax.tree.map(lambda x, where: _read_target(x, where, read_as), expected, placement, is_leaf=quant.is_quantized)
             params = ckptr.restore(path / PARAMS_DIR, target)
     except CheckpointError:
         raise
     except Exception as e:  # orbax and tensorstore raise many types for unreadable files.
         raise CheckpointError(f"cannot read the params checkpoint at {path / PARAMS_DIR}: {type(e).__name__}: {e}") from None
-    if wanted.quantized and not config.quantized:
-        params = quant.quantize_params(params)
+    if wanted.quantized and wanted.dtype != config.dtype:
+        params = quant.quantize_params(params, wanted.dtype)
     elif config.quantized and not wanted.quantized:
         params = cast_params(quant.dequantize_params(params), wanted.jnp_dtype)
     return Model(params, wanted, load_tokenizer(path))
+
+
+def _read_target(leaf, sharding, float_dtype):
+    """What orbax restores a stored leaf as: float leaves in `float_dtype` (if given); a quantized weight's
+    parts as they are stored."""
+    if quant.is_quantized(leaf):
+        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding[k]) for k, v in leaf.items()}
+    return jax.ShapeDtypeStruct(leaf.shape, cast_dtype(leaf.dtype, float_dtype) if float_dtype else leaf.dtype, sharding=sharding)
 
 
 def load_tokenizer(path: Path):

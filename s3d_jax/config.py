@@ -17,7 +17,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 ROPE_TYPES = ("linear", "llama3")  # supported RoPE scalings besides plain RoPE
 FLOAT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Weight-only formats (s3d_jax/quant.py): the projections' weights quantized, the rest in float32.
-QUANTIZED_DTYPES = ("int8",)
+QUANTIZED_DTYPES = ("int8", "int4")
 # A model's dtype and the float type its activations, norms and embeddings take.
 DTYPES = {**FLOAT_DTYPES, **{name: jnp.float32 for name in QUANTIZED_DTYPES}}
 QUANT_GROUP = 32  # a quantized weight's entries per scale, along its input (s3d_jax/quant.py)

@@ -1,23 +1,25 @@
 // y = x @ w for a few rows of x (a decode pass: 1 to 16 tokens) against a large row-major weight, as
 // XLA FFI handlers for the CPU (s3d_jax/few_rows.py builds and registers them). The weight is float32,
-// bfloat16, or int8 in groups of 32 rows with one float32 scale per group and column (GGUF's Q8_0).
+// bfloat16, int8 in groups of 32 rows with one float32 scale per group and column (GGUF's Q8_0), or
+// int4 in such groups with a float16 scale and minimum (GGUF's Q4_1; s3d_jax/quant.py has the layouts).
 //
 // XLA's CPU dot streams the weight once for one row, but for 2-16 rows it packs the weight into
 // panels first, so a pass over 5 tokens costs about 2x a one-token step. Here the weight is read
 // once, 8 rows of it at a time, for all of x's rows together; x's row t is accumulated in y's row t,
 // which stays in the L1 cache. A bfloat16 weight is widened to float32 in registers (exactly: its
-// bits are a float32's upper half); an int8 one is converted and multiplied by its group's scale,
-// one float32 product, the same one that dequantizing the weight in float32 would round. So every
-// weight sums the same way as its float32 value would. Each output element is summed over k in the
-// same order whatever the number of rows or threads, so a token's logits do not depend on how many
-// tokens share its pass.
+// bits are a float32's upper half), so it sums the same way as its float32 value would; a quantized
+// one is summed as codes and scaled once per group (`AccumulateCodes`). Each output element is
+// summed over k in the same order whatever the number of rows or threads, so a token's logits do
+// not depend on how many tokens share its pass.
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -51,6 +53,33 @@ inline Lanes WidenBytes(const int8_t* p) {
 #endif
 }
 
+// 16 codes 0..15 as float32: the low nibbles of 16 bytes, or their high ones.
+inline Lanes WidenNibbles(const uint8_t* p, bool high) {
+#if defined(__AVX512F__)
+  // A permutation reads the low 4 bits of each index: the nibble's value from a table of 0..15.
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<Lanes>(_mm512_permutexvar_ps(high ? _mm512_srli_epi32(bytes, 4) : bytes, values));
+#else
+  Lanes out;
+  for (int i = 0; i < 16; ++i) out[i] = float(high ? p[i] >> 4 : p[i] & 15);
+  return out;
+#endif
+}
+
+// 16 float16s as float32 (exactly).
+inline Lanes WidenHalves(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Lanes>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#else
+  Lanes out;
+  for (int i = 0; i < 16; ++i) out[i] = float(std::bit_cast<_Float16>(p[i]));
+  return out;
+#endif
+}
+
+inline float Half(uint16_t bits) { return float(std::bit_cast<_Float16>(bits)); }
+
 constexpr int64_t kGroup = 32;  // rows of an int8 weight sharing a scale (few_rows.py's GROUP)
 
 // Readers of a weight [K, N] as float32: 16 columns of row k from n, or one. `Group` is what a run
@@ -80,16 +109,44 @@ struct Bfloat16Weight {
   }
 };
 
+// The quantized weights' readers give codes (16 columns of one or two rows, or one entry) and scale
+// a sum of codes over rows of one group: `Scaled(sum of x * code, sum of x, ...)`.
 struct Int8Weight {
   const int8_t* w;
   const float* scale;  // [K / kGroup, N]
   int64_t N;
-  using Group = Lanes;
-  Group GroupAt(int64_t k, int64_t n) const { return *reinterpret_cast<const Lanes*>(scale + k / kGroup * N + n); }
-  Lanes Load16(int64_t k, int64_t n, Group scales) const {
-    return WidenBytes(w + k * N + n) * scales;
+  static constexpr int kRowsPerLoad = 1;
+  static constexpr int kRows = 8;  // per block: as many memory streams as a float weight's
+  void Codes16(int64_t k, int64_t n, Lanes* codes) const { codes[0] = WidenBytes(w + k * N + n); }
+  const void* Row(int64_t k) const { return w + k * N; }  // a row's codes, one byte per column
+  float Code1(int64_t k, int64_t n) const { return float(w[k * N + n]); }
+  Lanes Scaled(Lanes sum, Lanes, int64_t k, int64_t n) const {
+    return sum * *reinterpret_cast<const Lanes*>(scale + k / kGroup * N + n);
   }
-  float Load1(int64_t k, int64_t n) const { return float(w[k * N + n]) * scale[k / kGroup * N + n]; }
+  float Scaled1(float sum, float, int64_t k, int64_t n) const { return sum * scale[k / kGroup * N + n]; }
+};
+
+struct Int4Weight {
+  const uint8_t* w;  // [K / 2, N]: row k in the low nibbles of row k / 2 for an even k, the high ones for an odd
+  const uint16_t* scale;  // [K / kGroup, N] float16
+  const uint16_t* min;    // [K / kGroup, N] float16
+  int64_t N;
+  static constexpr int kRowsPerLoad = 2;  // k even
+  static constexpr int kRows = 16;  // per block: 8 rows of bytes
+  void Codes16(int64_t k, int64_t n, Lanes* codes) const {
+    codes[0] = WidenNibbles(w + k / 2 * N + n, false);
+    codes[1] = WidenNibbles(w + k / 2 * N + n, true);
+  }
+  float Code1(int64_t k, int64_t n) const { return float(k & 1 ? w[k / 2 * N + n] >> 4 : w[k / 2 * N + n] & 15); }
+  const void* Row(int64_t k) const { return w + k / 2 * N; }  // a pair of rows' codes, one byte per column
+  Lanes Scaled(Lanes sum, Lanes x_sum, int64_t k, int64_t n) const {
+    const int64_t at = k / kGroup * N + n;
+    return sum * WidenHalves(scale + at) + x_sum * WidenHalves(min + at);
+  }
+  float Scaled1(float sum, float x_sum, int64_t k, int64_t n) const {
+    const int64_t at = k / kGroup * N + n;
+    return sum * Half(scale[at]) + x_sum * Half(min[at]);
+  }
 };
 
 constexpr int64_t kWeightRows = 8;    // weight rows read together
@@ -123,13 +180,60 @@ inline void Accumulate(const float* x, const W& w, float* y, int64_t K, int64_t 
     }
 }
 
+// A quantized weight's rows [k0, k0 + W::kRows), within one group: y[t, n] += scale * sum_k x[t, k]
+// code[k, n] (+ min * sum_k x[t, k]). Summing codes and scaling once per group takes a third fewer
+// instructions than dequantizing each entry, and the kernel is compute-bound on quantized weights.
+// The result differs from a product with the dequantized weight by float32 rounding, and is the
+// same whatever the number of rows.
+template <int T, typename W>
+inline void AccumulateCodes(const float* x, const W& w, float* y, int64_t K, int64_t k0, int64_t n0, int64_t n1) {
+  const int64_t N = w.N;
+  constexpr int kRows = W::kRows;
+  float xs[T][kRows], sums[T];
+  for (int t = 0; t < T; ++t) {
+    sums[t] = 0;
+    for (int kk = 0; kk < kRows; ++kk) sums[t] += xs[t][kk] = x[t * K + k0 + kk];
+  }
+  const bool next = k0 + kRows < K;
+  int64_t n = n0;
+  for (; n + 16 <= n1; n += 16) {
+    // The next block's rows, a cache line (64 columns) ahead of their use: a block reads short runs
+    // of many rows, too short for the hardware prefetcher to find, and a quantized weight leaves
+    // the kernel waiting on memory rather than on arithmetic.
+    if (next && n % 64 == 0)
+      for (int kk = 0; kk < kRows; kk += W::kRowsPerLoad) __builtin_prefetch(static_cast<const char*>(w.Row(k0 + kRows + kk)) + n);
+    Lanes acc[T] = {};
+    for (int kk = 0; kk < kRows; kk += W::kRowsPerLoad) {
+      Lanes codes[W::kRowsPerLoad];
+      w.Codes16(k0 + kk, n, codes);
+      for (int i = 0; i < W::kRowsPerLoad; ++i)
+        for (int t = 0; t < T; ++t) acc[t] += xs[t][kk + i] * codes[i];
+    }
+    for (int t = 0; t < T; ++t) {
+      Lanes x_sum = {};
+      x_sum += sums[t];
+      *reinterpret_cast<Lanes*>(y + t * N + n) += w.Scaled(acc[t], x_sum, k0, n);
+    }
+  }
+  for (; n < n1; ++n)
+    for (int t = 0; t < T; ++t) {
+      float acc = 0;
+      for (int kk = 0; kk < kRows; ++kk) acc += xs[t][kk] * w.Code1(k0 + kk, n);
+      y[t * N + n] += w.Scaled1(acc, sums[t], k0, n);
+    }
+}
+
 template <int T, typename W>
 void Columns(const float* x, const void* weight, float* y, int64_t K, int64_t n0, int64_t n1) {
   const W& w = *static_cast<const W*>(weight);
   for (int t = 0; t < T; ++t) std::memset(y + t * w.N + n0, 0, sizeof(float) * (n1 - n0));
-  int64_t k = 0;
-  for (; k + kWeightRows <= K; k += kWeightRows) Accumulate<T, kWeightRows>(x, w, y, K, k, n0, n1);
-  for (; k < K; ++k) Accumulate<T, 1>(x, w, y, K, k, n0, n1);
+  if constexpr (std::is_same_v<W, Int4Weight> || std::is_same_v<W, Int8Weight>) {
+    for (int64_t k = 0; k < K; k += W::kRows) AccumulateCodes<T>(x, w, y, K, k, n0, n1);  // K is whole groups
+  } else {
+    int64_t k = 0;
+    for (; k + kWeightRows <= K; k += kWeightRows) Accumulate<T, kWeightRows>(x, w, y, K, k, n0, n1);
+    for (; k < K; ++k) Accumulate<T, 1>(x, w, y, K, k, n0, n1);
+  }
 }
 
 using ColumnsFn = void (*)(const float*, const void*, float*, int64_t, int64_t, int64_t);
@@ -260,6 +364,20 @@ ffi::Error FewRowMatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi
   return ffi::Error::Success();
 }
 
+ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> scale,
+                            ffi::Buffer<ffi::F16> min, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), md = min.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || md.size() != 2 || xd[1] % kGroup || xd[1] != 2 * wd[0] ||
+      sd[0] != xd[1] / kGroup || sd[1] != wd[1] || md[0] != sd[0] || md[1] != sd[1]) {
+    return ffi::Error::InvalidArgument("few_row_matmul_int4: expected x [M, K], w [K/2, N], scale and min [K/32, N]");
+  }
+  Run(x.typed_data(),
+      Int4Weight{w.typed_data(), reinterpret_cast<const uint16_t*>(scale.untyped_data()),
+                 reinterpret_cast<const uint16_t*>(min.untyped_data()), wd[1]},
+      y->typed_data(), xd[0], xd[1]);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The threads sharing each product (the caller included) and the helpers' spin after a product, in
@@ -280,4 +398,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt8, FewRowMatmulInt8,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt4, FewRowMatmulInt4,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -8,8 +8,8 @@ and how long it took) into `<cache root>/kernels/`, keyed on everything the bina
 checked against its recorded digest before every load: a truncated or foreign file is rebuilt.
 
 `matmul(x, w)` is the one entry point: the kernel where it applies (a CPU backend with one device,
-a float32, bfloat16 or int8 weight (`quant`), at most `MAX_ROWS` rows, the switch on), `jnp.tensordot`
-everywhere else, with an int8 weight dequantized first. It is differentiable. Settings (docs/cpu.md):
+a float32, bfloat16, int8 or int4 weight (`quant`), at most `MAX_ROWS` rows, the switch on), `jnp.tensordot`
+everywhere else, with a quantized weight dequantized first. It is differentiable. Settings (docs/cpu.md):
 - `S3D_JAX_FEW_ROW_KERNEL`: `0`/`false`/`no`/`off` keeps every product on XLA's dot. It is read
   when a function is traced; the decode engine's caches key on it (`switch`).
 - `S3D_JAX_FEW_ROW_THREADS`: the threads sharing a product, read once per process; by default the
@@ -44,6 +44,7 @@ from s3d_jax.paths import cache_root
 SOURCE = Path(__file__).with_name("few_rows.cc")
 TARGET = "s3d_few_row_matmul"
 TARGET_INT8 = "s3d_few_row_matmul_int8"
+TARGET_INT4 = "s3d_few_row_matmul_int4"
 MAX_ROWS = 16  # beyond this (prefill, training) XLA's dot is the faster one
 ENV_SWITCH = "S3D_JAX_FEW_ROW_KERNEL"
 ENV_THREADS = "S3D_JAX_FEW_ROW_THREADS"
@@ -191,7 +192,8 @@ def prepare() -> None:
 def _load(path: Path) -> dict:
     """The library's handlers by FFI target, its helper threads configured."""
     library = ctypes.cdll.LoadLibrary(str(path))
-    handlers = {TARGET: library.S3dFewRowMatmul, TARGET_INT8: library.S3dFewRowMatmulInt8}  # AttributeError: not our library
+    handlers = {TARGET: library.S3dFewRowMatmul, TARGET_INT8: library.S3dFewRowMatmulInt8,  # AttributeError: not our library
+                TARGET_INT4: library.S3dFewRowMatmulInt4}
     configure = library.S3dFewRowConfigure
     configure.argtypes = [ctypes.c_int64, ctypes.c_int64]
     configure(threads(), spin_microseconds())
@@ -215,7 +217,7 @@ def _registered() -> bool:
 
 
 INPUT_DTYPES = (jnp.float32, jnp.bfloat16)  # of x; the kernel sums in float32
-WEIGHT_DTYPES = (*INPUT_DTYPES, jnp.int8)  # an int8 weight with its scales (`quant`)
+WEIGHT_DTYPES = (*INPUT_DTYPES, jnp.int8, jnp.uint8)  # an int8 or int4 weight's values, with its scales (`quant`)
 
 
 def applies(rows: int, x_dtype, w_dtype) -> bool:
@@ -243,16 +245,19 @@ def _kernel_jvp(primals, tangents):
 
 
 @jax.custom_jvp
-def _int8_kernel(x_MK, values_KN, scale_GN):
-    out = jax.ShapeDtypeStruct((x_MK.shape[0], values_KN.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET_INT8, out, vmap_method="sequential")(x_MK, values_KN, scale_GN)
+def _quantized_kernel(x_MK, w):
+    """The kernel's product with a quantized weight `w` `[K, N]` (`quant`)."""
+    target = TARGET_INT4 if quant.bits_of(w) == 4 else TARGET_INT8
+    out = jax.ShapeDtypeStruct((x_MK.shape[0], w["values"].shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x_MK, *(w[k] for k in ("values", "scale", "min") if k in w))
 
 
-@_int8_kernel.defjvp
-def _int8_kernel_jvp(primals, tangents):
-    (x, values, scale), (dx, _, dscale) = primals, tangents  # int8 values have no tangent
-    return _int8_kernel(x, values, scale), dx @ quant.dequantize({"values": values, "scale": scale}, 1) + x @ quant.dequantize(
-        {"values": values, "scale": dscale}, 1)
+@_quantized_kernel.defjvp
+def _quantized_kernel_jvp(primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    # The weight is linear in its scales (and minimums) for fixed values, which have no tangent.
+    dw_value = quant.dequantize({**{k: dw[k] for k in w if k != "values"}, "values": w["values"]}, 1)
+    return _quantized_kernel(x, w), dx @ quant.dequantize(w, 1) + x @ dw_value
 
 
 def result_dtype(x, w, preferred_element_type=None):
@@ -277,7 +282,7 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
     arguments; `w` may be a quantized weight (`quant`), which stands for its float32 value."""
     quantized = quant.is_quantized(w)
     values = w["values"] if quantized else w
-    in_shape, out_shape = values.shape[:n_in], values.shape[n_in:]
+    out_shape = values.shape[n_in:]
     lead = x.shape[: x.ndim - n_in]
     if not applies(math.prod(lead), x.dtype, values.dtype):
         if quantized:
@@ -288,11 +293,11 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
             zero = 0 * x.reshape(-1)[0].astype(jnp.float32)
             w = {**w, "scale": w["scale"] + zero}
         return tensordot(x, quant.dense(w, n_in), n_in, precision, preferred_element_type)
-    K, N = math.prod(in_shape), math.prod(out_shape)
+    K, N = math.prod(x.shape[x.ndim - n_in:]), math.prod(out_shape)
     x_MK = x.reshape(math.prod(lead), K).astype(jnp.float32)  # exact from bfloat16
     if quantized:
-        y = _int8_kernel(x_MK, values.reshape(K, N), w["scale"].reshape(K // quant.GROUP, N))
+        y = _quantized_kernel(x_MK, {k: v.reshape(-1, N) for k, v in w.items()})
     else:
         y = _kernel(x_MK, w.reshape(K, N))
-    dense_dtype = w["scale"].dtype if quantized else w.dtype
+    dense_dtype = jnp.float32 if quantized else w.dtype
     return y.reshape(*lead, *out_shape).astype(result_dtype(x.dtype, dense_dtype, preferred_element_type))

@@ -77,7 +77,7 @@ def weight(module: nn.Module, name: str, in_shape, out_shape):
     """A weight `[*in_shape, *out_shape]` in the config's dtype: a float array, or quantized (`quant`)."""
     c = module.config
     if c.quantized:
-        return module.param(name, quant.initializer(init_normal), tuple(in_shape), tuple(out_shape))
+        return module.param(name, quant.initializer(init_normal, quant.bits_for(c.dtype, name)), tuple(in_shape), tuple(out_shape))
     return module.param(name, init_normal, (*in_shape, *out_shape), c.jnp_dtype)
 
 
@@ -348,7 +348,8 @@ def cast_dtype(leaf_dtype, dtype):
 
 
 def cast_params(params, dtype):
-    return jax.tree.map(lambda x: x.astype(cast_dtype(x.dtype, dtype)), params)
+    """Float leaves cast to `dtype`; a quantized weight (`quant`) keeps its format."""
+    return jax.tree.map(lambda x: x if quant.is_quantized(x) else x.astype(cast_dtype(x.dtype, dtype)), params, is_leaf=quant.is_quantized)
 
 
 def causal_inputs(tokens_BT):

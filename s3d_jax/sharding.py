@@ -21,7 +21,7 @@ from s3d_jax.config import ConfigError, ModelConfig
 
 # Preferred axes per parameter, by the tail of its path: "fsdp" shards over the data axis when FSDP is on.
 # A quantized weight's values and scales (`quant`) have its rank and split as it does.
-_WEIGHT = r"(\['(values|scale)'\])?$"
+_WEIGHT = r"(\['(values|scale|min)'\])?$"
 SHARDING_RULES = [
     (r"\['(q|k|v)'\]" + _WEIGHT, ("fsdp", "model", None)),
     (r"\['o'\]" + _WEIGHT, ("model", None, "fsdp")),

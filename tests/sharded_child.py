@@ -53,7 +53,7 @@ def main():
         model = tiny_model(seed=2, **FAMILIES[spec["family"]])
         one = s3d_jax.Model(model.params, model.config.replace(draft_skip=(1, 2), draft_gamma=3, draft_tree=4))
         if spec["family"].endswith("_int8"):
-            one = s3d_jax.Model(quant.quantize_params(one.params), one.config.replace(dtype="int8"))
+            one = s3d_jax.Model(quant.quantize_params(one.params, "int8"), one.config.replace(dtype="int8"))
         path = checkpoint.save(spec["tmp"], one.params, one.config)
         load, prompts = dict(path=str(path), drafter=None), PROMPTS
         methods = {k: METHODS[k] for k in spec.get("methods", METHODS)}

@@ -221,7 +221,8 @@ GGUF_CASES = {
 }
 
 
-def write_gguf(model, path, arch: str):
+def write_gguf(model, path, arch: str, block_type=lambda name, w: None):
+    """`block_type(gguf name, weight)` names a GGML block type (e.g. "Q4_1") to store a tensor in; None keeps float32."""
     import gguf
 
     c = model.config
@@ -254,7 +255,13 @@ def write_gguf(model, path, arch: str):
         w = w.float().numpy()
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             w = w + 1
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(w))
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        kind = block_type(gguf_name, w)
+        if kind is None:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+        else:
+            blocks = gguf.quants.quantize(np.ascontiguousarray(w), gguf.GGMLQuantizationType[kind])
+            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

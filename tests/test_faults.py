@@ -324,7 +324,7 @@ CLI_CASES = [
     ("convert", ["{hf}", "..", "--overwrite"], 2, "it is or holds the current directory"),
     ("convert", ["{tmp}/nowhere", "{tmp}/out"], 2, "no model at"),
     ("convert", ["{file}", "{tmp}/out"], 2, "neither a GGUF file nor a Hugging Face model directory"),
-    ("convert", ["{hf}", "{tmp}/out", "--dtype", "int4"], 2, "invalid choice: 'int4'"),
+    ("convert", ["{hf}", "{tmp}/out", "--dtype", "int2"], 2, "invalid choice: 'int2'"),
     ("convert", ["{model}", "{full}", "--to-hf"], 2, "is not empty; pass --overwrite"),
     ("convert", ["{model}", "{model}", "--to-hf", "--overwrite"], 2, "would replace the source"),
     ("convert", ["{hf}", "{tmp}/out", "--to-hf"], 2, "is not an s3d_jax model"),

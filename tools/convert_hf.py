@@ -1,6 +1,6 @@
 """Converts a Hugging Face model directory or a llama GGUF file into an s3d_jax model directory, and back.
 
-    python tools/convert_hf.py SRC OUT [--dtype float32|bfloat16|float16] [--quiet] [--overwrite]
+    python tools/convert_hf.py SRC OUT [--dtype float32|bfloat16|float16|int8|int4] [--quiet] [--overwrite]
     python tools/convert_hf.py MODEL HF_OUT --to-hf      # back to transformers, e.g. a trained drafter
 """
 

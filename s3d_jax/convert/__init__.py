@@ -1,7 +1,7 @@
 """Converts a Hugging Face model directory or a GGUF file (llama, qwen2, qwen3, gemma2, gemma3) into an s3d_jax
 model directory, and back.
 
-    python -m s3d_jax.convert SRC OUT [--dtype float32|bfloat16|float16] [--quiet] [--overwrite]   (or tools/convert_hf.py)
+    python -m s3d_jax.convert SRC OUT [--dtype float32|bfloat16|float16|int8|int4] [--quiet] [--overwrite]   (or tools/convert_hf.py)
     python -m s3d_jax.convert MODEL HF_OUT --to-hf      # back to transformers, e.g. a trained drafter
 
 OUT is written whole into a temporary sibling and renamed into place. A non-empty OUT is refused
@@ -10,7 +10,8 @@ unless `--overwrite`, which replaces it whole (the old directory goes only once 
 The steps, one module each:
   readers.py, gguf_file.py  every source is read into the same `HFSource`: an HF-style config dict,
                             lazy HF-named tensors (loaded one at a time, so a big model never sits in
-                            memory twice) and the tokenizer, or None;
+                            memory twice; a GGUF's Q8_0/Q4_0/Q4_1 blocks kept as they are for a
+                            quantized dtype) and the tokenizer, or None;
   layout.py                 one table of rules maps HF tensor names to this project's params tree and
                             back, checking every weight against the shape the config implies;
   mask_row.py               S3D's mask token gets an embedding row;
@@ -26,9 +27,9 @@ from pathlib import Path
 
 import jax
 
-from s3d_jax import checkpoint, quant
+from s3d_jax import checkpoint
 from s3d_jax.checkpoint import CheckpointError
-from s3d_jax.config import DTYPES, ConfigError, ModelConfig
+from s3d_jax.config import DTYPES, QUANTIZED_DTYPES, ConfigError, ModelConfig
 from s3d_jax.convert.export import config_to_hf, export_hf
 from s3d_jax.convert.gguf_file import read_gguf
 from s3d_jax.convert.layout import params_from_hf, params_to_hf
@@ -50,8 +51,9 @@ __all__ = [
 ]
 
 
-def read_source(src: str | Path) -> HFSource:
-    """Reads an HF model directory (or its config.json), or a GGUF file."""
+def read_source(src: str | Path, keep_groups: bool = False) -> HFSource:
+    """Reads an HF model directory (or its config.json), or a GGUF file (with `keep_groups`, its
+    quantized blocks as they are: `read_gguf`)."""
     src = Path(src)
     if src.is_dir():
         return read_hf_dir(src)
@@ -59,7 +61,7 @@ def read_source(src: str | Path) -> HFSource:
         if src.name == "config.json":
             return read_hf_dir(src.parent)
         if src.suffix == ".gguf" or _starts_with(src, b"GGUF"):
-            return read_gguf(src)
+            return read_gguf(src, keep_groups)
         raise CheckpointError(f"{src} is neither a GGUF file nor a Hugging Face model directory")
     raise CheckpointError(f"no model at {src}: no such file or directory")
 
@@ -83,7 +85,7 @@ def convert(src: str | Path, out: str | Path, dtype: str = "float32", progress: 
     if dtype not in DTYPES:
         raise ConfigError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     check_output(src, out, overwrite)
-    source = read_source(src)
+    source = read_source(src, keep_groups=dtype in QUANTIZED_DTYPES)
     try:
         config = ModelConfig.from_hf(source.config, dtype)
     except KeyError as e:
@@ -96,8 +98,6 @@ def convert(src: str | Path, out: str | Path, dtype: str = "float32", progress: 
     params, config = pad_vocab(params, config, recorded.get("output_vocab_size"))
     if recorded.get("draft_skip"):
         config = config.replace(draft_skip=tuple(recorded["draft_skip"]), draft_gamma=recorded.get("draft_gamma", config.draft_gamma))
-    if config.quantized:
-        params = quant.quantize_params(params)
     return checkpoint.save(out, params, config, source.tokenizer, overwrite=overwrite)
 
 

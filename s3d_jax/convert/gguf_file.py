@@ -23,7 +23,7 @@ import numpy as np
 
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import ConfigError
-from s3d_jax.convert.readers import HFSource, LazyTensors
+from s3d_jax.convert.readers import GroupedTensor, HFSource, LazyTensors
 
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -55,7 +55,9 @@ GEMMA_NAMES = {  # Gemma's four norms per layer; its ffn_norm is the MLP's input
 }
 
 
-def read_gguf(path: Path) -> HFSource:
+def read_gguf(path: Path, keep_groups: bool = False) -> HFSource:
+    """The GGUF at `path`; with `keep_groups`, its Q8_0, Q4_0 and Q4_1 tensors as `GroupedTensor`s
+    (no float copy), else every tensor dequantized to float32."""
     import gguf  # ~0.25 s to import; only GGUF sources need it
 
     try:
@@ -133,21 +135,43 @@ def read_gguf(path: Path) -> HFSource:
 
     hf_names = {hf_name(n, arch): n for n in names}
 
-    def load(name: str) -> np.ndarray:
+    def load(name: str) -> np.ndarray | GroupedTensor:
         t = names[hf_names[name]]
         try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            w = grouped(t) if keep_groups and t.tensor_type.name in GROUPED_TYPES else gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise CheckpointError(f"cannot dequantize {t.name} ({t.tensor_type.name}) in {path}: {e}") from None
-        if arch == "llama" and name.endswith("q_proj.weight"):
-            w = unpermute_rows(w, heads)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
-            w = unpermute_rows(w, kv_heads)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n_head = heads if name.endswith("q_proj.weight") else kv_heads
+            w = w.rows(lambda a: unpermute_rows(a, n_head)) if isinstance(w, GroupedTensor) else unpermute_rows(w, n_head)
         elif gemma and name.endswith("norm.weight"):
             w = w - np.asarray(1, w.dtype)
         return w
 
     return HFSource(config, LazyTensors(list(hf_names), load), _tokenizer(path), path)
+
+
+# GGUF's block types that `quant`'s formats hold exactly: 32 entries per block, a float16 scale d (and
+# minimum m) first, then the codes: Q8_0's value is d * q for int8 q, Q4_0's d * (q - 8) and Q4_1's d * q + m
+# for q in 0..15, byte j of a block holding q_j in its low nibble and q_(j+16) in its high one.
+GROUPED_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+
+
+def grouped(t) -> GroupedTensor:
+    """A Q8_0, Q4_0 or Q4_1 tensor's blocks as codes and scales, without a float copy."""
+    kind = t.tensor_type.name
+    rows = int(np.prod(t.shape[1:]))  # GGUF lists dims innermost first: shape[0] is the input
+    blocks = np.asarray(t.data).reshape(rows, t.shape[0] // 32, -1)
+    halves = blocks[..., : 4 if kind == "Q4_1" else 2].copy().view(np.float16)  # [rows, groups, 1 or 2]
+    scale, low = halves[..., 0], halves[..., 1] if kind == "Q4_1" else None
+    if kind == "Q8_0":
+        codes = blocks[..., 2:].copy().view(np.int8)
+    else:
+        packed = blocks[..., 4 if kind == "Q4_1" else 2 :]
+        codes = np.concatenate([packed & 15, packed >> 4], axis=-1)
+        if kind == "Q4_0":  # d * (q - 8) = d * q + (-8 d), exactly in float16
+            low = (-8 * scale.astype(np.float32)).astype(np.float16)
+    return GroupedTensor(codes.reshape(rows, -1), scale, low, kind)
 
 
 def hf_name(name: str, arch: str = "llama") -> str:

@@ -16,13 +16,17 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
+import jax
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 from tqdm.auto import tqdm
 
+from s3d_jax import quant
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import ModelConfig
+from s3d_jax.convert.readers import GroupedTensor
 from s3d_jax.model import abstract_params
 
 FUSED_ARCHITECTURES = ("phi3",)  # whose checkpoints hold qkv_proj and gate_up_proj
@@ -153,12 +157,13 @@ RULES = (
 IGNORED = (re.compile(r".*\.rotary_emb\.inv_freq"),)  # buffers some old checkpoints saved
 
 
-def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, progress: bool = False) -> dict:
-    """Maps HF-named weights to a params tree of numpy arrays in `config.jnp_dtype` (float32 for a
-    quantized dtype: `convert` quantizes once the vocabulary rows are final), checking every shape."""
-    expected = flatten_dict(abstract_params(config.replace(dtype="float32") if config.quantized else config), sep="/")
-    target_dtype = np.dtype(config.jnp_dtype)
-    flat: dict[str, np.ndarray] = {}
+def params_from_hf(tensors: Mapping[str, np.ndarray | GroupedTensor], config: ModelConfig, progress: bool = False) -> dict:
+    """Maps HF-named weights to a params tree of numpy arrays in the config's dtype, checking every
+    shape. For a quantized dtype each weight is quantized as it is read, so the model is never held
+    in float; a source's own groups (`GroupedTensor`) are kept as they are where they are the format
+    wanted, and dequantized and quantized again where they are not."""
+    expected = flatten_dict(abstract_params(config), sep="/", is_leaf=lambda _, node: quant.is_quantized(node))
+    flat: dict[str, np.ndarray | dict] = {}
     source_of: dict[str, str] = {}
     for name in tqdm(list(tensors), desc="converting", unit="tensor", disable=not progress):
         if any(p.fullmatch(name) for p in IGNORED) or (name == "lm_head.weight" and config.tie_embeddings):
@@ -173,18 +178,57 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: ModelConfig, progr
         want = rule.hf_shape(config)
         if tuple(w.shape) != want:
             raise CheckpointError(f"tensor {name} has shape {tuple(w.shape)}, but the config implies {want}")
-        for target, out in zip(rule.targets, rule.from_hf(w, config), strict=True):
+        for target, out in zip(rule.targets, _from_hf(rule, w, config), strict=True):
             target = target.format(i=layer)
             if target in flat:
                 raise CheckpointError(f"tensor {name} sets {target}, which {source_of[target]} already set")
-            assert tuple(out.shape) == tuple(expected[target].shape), (name, target, out.shape)
-            flat[target] = np.ascontiguousarray(out, dtype=target_dtype)
+            flat[target] = _in_format(out, target, config)
+            assert jax.tree.map(np.shape, flat[target]) == jax.tree.map(np.shape, expected[target]), (name, target)
             source_of[target] = name
         del w
     missing = [t for t in expected if t not in flat]
     if missing:
         raise CheckpointError(f"missing weight {_hf_names_for(missing[0], config)} (needed for {missing[0]})")
     return unflatten_dict(flat, sep="/")
+
+
+class _Spread(NamedTuple):
+    """A grouped tensor's part for one target, in our layout, its scales repeated over their groups."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    min: np.ndarray | None
+    bits: int
+
+    def float32(self) -> np.ndarray:
+        value = self.codes.astype(np.float32) * self.scale.astype(np.float32)
+        return value if self.min is None else value + self.min.astype(np.float32)
+
+
+def _from_hf(rule: Rule, w: np.ndarray | GroupedTensor, config: ModelConfig) -> tuple:
+    """`rule.from_hf`; a grouped tensor's codes, scales and minimums each take the weight's layout."""
+    if not isinstance(w, GroupedTensor):
+        return rule.from_hf(w, config)
+    none = (None,) * len(rule.targets)
+    scale, low = (none if a is None else rule.from_hf(np.repeat(a, quant.GROUP, axis=1), config) for a in (w.scale, w.min))
+    return tuple(_Spread(*parts, w.bits) for parts in zip(rule.from_hf(w.codes, config), scale, low, strict=True))
+
+
+def _in_format(out: np.ndarray | _Spread, target: str, config: ModelConfig):
+    """A target's array in the config's format: its float type, or quantized (`quant`), with a
+    source's groups kept where they are that format and requantized from float32 where not."""
+    name = target.rsplit("/", 1)[-1]
+    if not (config.quantized and name in quant.QUANTIZED_INPUTS):
+        return np.ascontiguousarray(out.float32() if isinstance(out, _Spread) else out, dtype=config.jnp_dtype)
+    n_in, bits = quant.QUANTIZED_INPUTS[name], quant.bits_for(config.dtype, name)
+    if not (isinstance(out, _Spread) and out.bits == bits):
+        return quant.quantize(np.ascontiguousarray(out.float32() if isinstance(out, _Spread) else out, np.float32), n_in, bits)
+    once = (slice(None),) * (n_in - 1) + (slice(None, None, quant.GROUP),)  # one entry per group
+    if bits == 8:
+        kept = {"values": out.codes, "scale": out.scale[once].astype(np.float32)}
+    else:
+        kept = {"values": quant.pack_nibbles(out.codes, n_in), "scale": out.scale[once], "min": out.min[once]}
+    return {k: np.ascontiguousarray(v) for k, v in kept.items()}
 
 
 def params_to_hf(params, config: ModelConfig) -> dict[str, np.ndarray]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from s3d_jax import quant
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import ModelConfig
 
@@ -45,8 +46,12 @@ def add_mask_row(
     mask_id, append = mask_row_plan(config.vocab_size, tokenizer_size, recorded, reserved)
     if append:
         embed = params["embed"]
-        mean = embed.astype(np.float32).mean(axis=1, keepdims=True).astype(embed.dtype)
-        params = {**params, "embed": np.concatenate([embed, mean], axis=1)}
+        if quant.is_quantized(embed):
+            mean = quant.quantize(np.asarray(quant.dense(embed)).mean(axis=1, keepdims=True), 1, quant.bits_of(embed))
+            params = {**params, "embed": {k: np.concatenate([embed[k], mean[k]], axis=1) for k in embed}}
+        else:
+            mean = embed.astype(np.float32).mean(axis=1, keepdims=True).astype(embed.dtype)
+            params = {**params, "embed": np.concatenate([embed, mean], axis=1)}
         if not config.tie_embeddings:
             params["lm_head"] = _pad(params["lm_head"], 1)
         config = config.replace(vocab_size=config.vocab_size + 1, output_vocab_size=config.produced_vocab_size)
@@ -75,7 +80,10 @@ def unpad_vocab(params: dict, config: ModelConfig) -> tuple[dict, ModelConfig]:
     return params, config.replace(vocab_size=rows, output_vocab_size=None)
 
 
-def _pad(table_DV: np.ndarray, columns: int) -> np.ndarray:
+def _pad(table_DV, columns: int):
+    """Zero columns appended (to each part of a quantized table: codes and scales of zero are zero)."""
+    if quant.is_quantized(table_DV):
+        return {k: _pad(v, columns) for k, v in table_DV.items()}
     return np.concatenate([table_DV, np.zeros((table_DV.shape[0], columns), table_DV.dtype)], axis=1)
 
 

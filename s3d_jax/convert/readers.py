@@ -27,6 +27,37 @@ class HFSource:
     path: Path
 
 
+@dataclasses.dataclass
+class GroupedTensor:
+    """A tensor a source holds quantized in groups of 32 along its input (GGUF's Q8_0, Q4_0, Q4_1), in
+    HF's `[out, in]` orientation: codes and float16 scales (and minimums), each entry worth
+    `code * scale (+ min)`. `params_from_hf` keeps them as they are where the model's format matches."""
+
+    codes: np.ndarray  # [out, in]: int8 -127..127 (8 bits), or uint8 0..15 (4 bits)
+    scale: np.ndarray  # [out, in / 32] float16
+    min: np.ndarray | None  # [out, in / 32] float16, for 4 bits
+    source_type: str  # as the source names it, e.g. "Q4_1"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.min is None else 4
+
+    def rows(self, reorder: Callable[[np.ndarray], np.ndarray]) -> GroupedTensor:
+        """The tensor with its rows (outputs) rearranged by `reorder`, which moves whole rows."""
+        return dataclasses.replace(self, codes=reorder(self.codes), scale=reorder(self.scale),
+                                   min=None if self.min is None else reorder(self.min))
+
+    def dequantized(self) -> np.ndarray:
+        groups = self.codes.reshape(*self.scale.shape, -1).astype(np.float32) * self.scale[..., None].astype(np.float32)
+        if self.min is not None:
+            groups += self.min[..., None].astype(np.float32)
+        return groups.reshape(self.shape)
+
+
 class LazyTensors(Mapping):
     """A read-only name -> numpy array mapping that loads each array only when it is looked up,
     so a big model never sits in memory twice."""

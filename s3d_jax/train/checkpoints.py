@@ -240,5 +240,5 @@ def export(params, config: ModelConfig, objective: Objective, tokenizer, out: Pa
     config = config.replace(dtype=dtype, draft_skip=objective.skip, draft_gamma=objective.gamma)
     params = cast_params(jax.device_get(params), config.jnp_dtype)
     if config.quantized:
-        params = quant.quantize_params(params)
+        params = quant.quantize_params(params, config.dtype)
     return checkpoint.save(out, params, config, tokenizer, overwrite=True)  # the run's own output, replaced whole
