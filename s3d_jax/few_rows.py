@@ -290,14 +290,15 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
             # product is due: with no such dependency it dequantized every weight up front, a float32
             # copy of the model in a prefill's temporaries. An optimization barrier does not survive
             # to XLA's CPU scheduler.
-            zero = 0 * x.reshape(-1)[0].astype(jnp.float32)
-            w = {**w, "scale": w["scale"] + zero}
-        return tensordot(x, quant.dense(w, n_in), n_in, precision, preferred_element_type)
+            zero = (0 * x.reshape(-1)[0]).astype(w["scale"].dtype)
+            w = quant.dense({**w, "scale": w["scale"] + zero}, n_in)
+            w = w.astype(x.dtype) if jnp.dtype(x.dtype).itemsize < 4 else w  # as a float base in a 16-bit pass
+        return tensordot(x, w, n_in, precision, preferred_element_type)
     K, N = math.prod(x.shape[x.ndim - n_in:]), math.prod(out_shape)
     x_MK = x.reshape(math.prod(lead), K).astype(jnp.float32)  # exact from bfloat16
     if quantized:
         y = _quantized_kernel(x_MK, {k: v.reshape(-1, N) for k, v in w.items()})
     else:
         y = _kernel(x_MK, w.reshape(K, N))
-    dense_dtype = jnp.float32 if quantized else w.dtype
+    dense_dtype = x.dtype if quantized else w.dtype  # a quantized weight's product takes x's type
     return y.reshape(*lead, *out_shape).astype(result_dtype(x.dtype, dense_dtype, preferred_element_type))

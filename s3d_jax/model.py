@@ -74,10 +74,14 @@ class DraftLoRA(nn.Module):
 
 
 def weight(module: nn.Module, name: str, in_shape, out_shape):
-    """A weight `[*in_shape, *out_shape]` in the config's dtype: a float array, or quantized (`quant`)."""
+    """A weight `[*in_shape, *out_shape]`: a float array, or quantized (`quant`), as the params hold it
+    (a QLoRA run holds quantized projections beside float tables); a new one in the config's dtype."""
     c = module.config
-    if c.quantized:
-        return module.param(name, quant.initializer(init_normal, quant.bits_for(c.dtype, name)), tuple(in_shape), tuple(out_shape))
+    held = module.get_variable("params", name) if module.has_variable("params", name) else None
+    bits = (quant.bits_of(held) if quant.is_quantized(held) else None) if held is not None else (
+        quant.bits_for(c.dtype, name) if c.quantized else None)
+    if bits:
+        return module.param(name, quant.initializer(init_normal, bits), tuple(in_shape), tuple(out_shape))
     return module.param(name, init_normal, (*in_shape, *out_shape), c.jnp_dtype)
 
 

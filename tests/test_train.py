@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import s3d_jax
-from s3d_jax import checkpoint, drafter
+from s3d_jax import checkpoint, drafter, quant
 from s3d_jax.data import DataError
 from s3d_jax.train import load_base_model, train
 
@@ -269,3 +269,26 @@ def test_dry_run_of_a_bundled_model_recipe_reads_its_config(name):
     assert result.returncode == 0, result.stderr[-2000:]
     p = json.loads(result.stdout)["parameters"]
     assert 1.3e8 < p["total"] < 1.5e8 and 0 < p["trainable"] < 0.05 * p["total"], p  # SmolLM2-135M with draft-only LoRA
+
+
+@pytest.mark.needs("bundled_model", "mt_bench")
+def test_qlora_trains_adapters_on_an_int4_base(tmp_path):
+    """base_dtype int4: the frozen projections stay int4 through the run (QLoRA), the adapters and the
+    mask row train in float32, and the drafter decodes exactly on that int4 base."""
+    quantizable = {"model.head_dim": 32, "model.num_heads": 2, "model.num_kv_heads": 1}
+    cfg = tiny_config(**quantizable, **{"base_dtype": "int4", "s3d.lora_rank": 4, "train.steps": 4, "train.lr": 1e-2})
+    base = load_base_model(cfg)
+    assert quant.bits_of(base.params["layer_0"]["mlp"]["down"]) == 4 and not quant.is_quantized(base.params["embed"])
+    out = train(cfg, tmp_path, progress=False)
+    assert out.name == "drafter.safetensors"
+    bare = load_base_model(tiny_config(**quantizable, base_dtype="int4"))  # the same weights, without adapters
+    base = s3d_jax.Model(quant.quantize_params(bare.params, "int4"), bare.config.replace(dtype="int4"), bare.tokenizer)
+    trained_model = drafter.apply(base, out)  # on the int4 model that s3d_jax.load(dtype="int4") gives
+    lora = [v for k, v in leaves(trained_model.params).items() if "_lora']['b']" in k]
+    assert lora and any(np.abs(v).max() > 0 for v in lora), "the adapters trained"
+    prompt = [1, 2, 3, 4, 5]
+    plain = s3d_jax.decode(base, prompt, method="ar", max_new_tokens=10, eos_token_ids=())
+    spec = s3d_jax.decode(trained_model, prompt, max_new_tokens=10, eos_token_ids=(), min_certainty=0.0)
+    assert spec.tokens == plain.tokens
+    with pytest.raises(s3d_jax.ConfigError, match="base_dtype int4 .* s3d.lora_rank"):
+        train(tiny_config(**quantizable, base_dtype="int4"), tmp_path / "full", progress=False)

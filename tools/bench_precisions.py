@@ -1,8 +1,13 @@
 """Plain decoding and S3D at each precision of the same model, in one run: speed, peak memory, M-SR,
 and how often each precision's greedy tokens agree with float32's.
 
-    python tools/bench_precisions.py                                     # bundled SmolLM2: float32, bfloat16, int8
+    python tools/bench_precisions.py                                     # bundled SmolLM2: float32, bfloat16, int8, int4
     python tools/bench_precisions.py --dtypes float32,int8 --suite humaneval --limit 5
+    python tools/bench_precisions.py --llama-cpp                         # and llama.cpp at each precision
+
+With --llama-cpp (the optional extra llama-cpp-python), llama.cpp decodes the same prompts greedily
+from the bundled GGUF at the same precision: the shipped Q4_1 file for int4, and for the others a
+copy of it made with the `gguf` package (Q8_0 for int8, BF16, F32), cached beside the converted models.
 
 Every engine (precision x method) runs in a process of its own (`s3d_jax.bench.harness`), so its peak
 memory is its own. Ratios: plain at each precision against float32 plain, S3D against plain of the
@@ -19,18 +24,21 @@ import statistics
 import sys
 from pathlib import Path
 
-from s3d_jax.bench import harness
+from s3d_jax import bundled
+from s3d_jax.bench import harness, llama_cpp_peer
 from s3d_jax.bench.__main__ import method_request
-from s3d_jax.bench.suites import SUITES, load_suite
+from s3d_jax.bench.suites import SUITES, BenchError, load_suite
 from s3d_jax.config import DTYPES
 from s3d_jax.metrics import memory_normalised_speedup, tokens_per_iteration
 from s3d_jax.options import DecodeOptions, add_model_arguments, load_arguments
+from s3d_jax.paths import cache_root
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="tools/bench_precisions.py", description=__doc__.splitlines()[0])
     add_model_arguments(p)
-    p.add_argument("--dtypes", default="float32,bfloat16,int8", help=f"precisions among {', '.join(DTYPES)}; float32 first")
+    p.add_argument("--dtypes", default="float32,bfloat16,int8,int4", help=f"precisions among {', '.join(DTYPES)}; float32 first")
+    p.add_argument("--llama-cpp", action="store_true", help="also llama.cpp at each precision (needs llama-cpp-python)")
     p.add_argument("--suite", default="mt_bench", choices=SUITES)
     p.add_argument("--limit", type=int, default=5, help="prompts of the suite")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -42,7 +50,23 @@ def parse_args(argv=None):
         p.error(f"--dtypes must start with float32 (the reference) and name only {', '.join(DTYPES)}; got {args.dtypes!r}")
     if args.limit < 1:
         p.error(f"--limit must be at least 1, got {args.limit}")
+    if args.llama_cpp and args.model:
+        p.error("--llama-cpp runs the bundled model's GGUF: leave out --model")
+    if args.llama_cpp and set(args.dtype_list) - set(GGUF_TYPES):
+        p.error(f"--llama-cpp has no GGUF for {', '.join(sorted(set(args.dtype_list) - set(GGUF_TYPES)))}")
     return args
+
+
+# llama.cpp's block type at each precision: the bundled GGUF is Q4_1; the others are copies of it.
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
+
+
+def gguf_for(dtype: str) -> str:
+    shipped = bundled.gguf_path()
+    if GGUF_TYPES[dtype] == "Q4_1":
+        return str(shipped)
+    return llama_cpp_peer.requantized_gguf(shipped, cache_root() / f"{shipped.stem.rsplit('.', 1)[0]}.{GGUF_TYPES[dtype]}.gguf",
+                                           GGUF_TYPES[dtype])
 
 
 def speed(result: dict) -> float:
@@ -75,6 +99,10 @@ def summarize(results: dict[str, dict[str, dict]]) -> list[dict]:
             "s3d_msr": memory_normalised_speedup(speed(s3d), speed(plain), s3d["peak_memory_mib"], plain["peak_memory_mib"]),
             "s3d_differs_from_plain": differs, "replies": len(plain["records"]), "agrees_with_float32": agreement(plain, base),
         })
+        if "llama_cpp" in engines:
+            peer = engines["llama_cpp"]
+            rows[-1].update(llama_cpp_tokens_per_s=speed(peer), llama_cpp_peak_mib=peer["peak_memory_mib"],
+                            plain_vs_llama_cpp=speed(plain) / speed(peer), llama_cpp_version=peer["llama_cpp"])
     return rows
 
 
@@ -85,6 +113,14 @@ def render(rows: list[dict]) -> str:
         lines.append(f"| {r['dtype']} | {r['plain_tokens_per_s']:.1f} | {r['plain_vs_float32']:.2f}x | {r['s3d_vs_plain']:.2f}x | "
                      f"{r['E']:.2f} | {r['plain_peak_mib']:.0f} / {r['s3d_peak_mib']:.0f} | {r['plain_rss_vs_float32']:.2f}x | "
                      f"{r['s3d_msr']:.2f} | {r['s3d_differs_from_plain']} of {r['replies']} | {r['agrees_with_float32']:.1%} |")
+    peers = [r for r in rows if "llama_cpp_tokens_per_s" in r]
+    if peers:
+        lines += ["", f"llama.cpp {peers[0]['llama_cpp_version']}, greedy, the same prompts, the GGUF at each precision:", "",
+                  "| precision (GGUF) | llama.cpp tokens/s | llama.cpp peak MiB | our plain vs llama.cpp | our plain peak vs llama.cpp's |",
+                  "|" + " --- |" * 5]
+        for r in peers:
+            lines.append(f"| {r['dtype']} ({GGUF_TYPES[r['dtype']]}) | {r['llama_cpp_tokens_per_s']:.1f} | {r['llama_cpp_peak_mib']:.0f} | "
+                         f"{r['plain_vs_llama_cpp']:.2f}x | {r['plain_peak_mib'] / r['llama_cpp_peak_mib']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -112,6 +148,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.llama_cpp:
+        try:
+            llama_cpp_peer.require()
+        except BenchError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     prompts = {args.suite: load_suite(args.suite, args.limit)}
     decode = DecodeOptions(max_new_tokens=args.max_new_tokens)
     results: dict[str, dict[str, dict]] = {}
@@ -121,6 +163,11 @@ def main(argv=None) -> int:
             print(f"running {method} in {dtype} on {args.limit} {args.suite} prompts ...", file=sys.stderr, flush=True)
             request = method_request(method, load, prompts, decode)
             results.setdefault(dtype, {})[method] = harness.run_engine(["-m", "s3d_jax.bench.methods"], request)
+        if args.llama_cpp:
+            print(f"running llama.cpp on the {GGUF_TYPES[dtype]} GGUF ...", file=sys.stderr, flush=True)
+            request = {"gguf": gguf_for(dtype), "tokenizer": str(bundled.ensure_converted()), "prompts": prompts,
+                       "max_new_tokens": args.max_new_tokens, "lookup": False, "stop_at_eos": True}
+            results[dtype]["llama_cpp"] = harness.run_engine(["-m", "s3d_jax.bench.llama_cpp_peer"], request)
     rows = summarize(results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

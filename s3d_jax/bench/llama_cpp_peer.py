@@ -58,5 +58,41 @@ def run_llama_cpp(request: dict) -> dict:
             "llama_cpp": llama_cpp.__version__}
 
 
+def requantized_gguf(src: str | os.PathLike, dst: str | os.PathLike, block_type: str = "Q8_0") -> str:
+    """A copy of the GGUF `src` at `dst` with every matrix in `block_type` (dequantized and quantized
+    again by the `gguf` package, as llama.cpp's own quantizer rounds): the same model at another
+    precision for llama.cpp. Metadata and vectors are copied as they are. Written once: an existing
+    `dst` is returned."""
+    import gguf
+
+    if os.path.exists(dst):
+        return str(dst)
+    kind = gguf.GGMLQuantizationType[block_type]
+    reader = gguf.GGUFReader(str(src))
+    tmp = f"{dst}.tmp{os.getpid()}"
+    writer = gguf.GGUFWriter(tmp, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # written by the writer itself
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        if field.name == "general.file_type":  # what the file now mostly holds
+            value = int(gguf.LlamaFileType.ALL_F32 if block_type == "F32" else gguf.LlamaFileType[f"MOSTLY_{block_type}"])
+        writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
+    for tensor in reader.tensors:
+        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if weight.ndim == 2:
+            writer.add_tensor(tensor.name, gguf.quants.quantize(weight, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(tensor.name, weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, dst)
+    return str(dst)
+
+
 if __name__ == "__main__":
     sys.exit(harness.serve(run_llama_cpp, *sys.argv[1:]))

@@ -23,7 +23,7 @@ from flax import traverse_util
 
 from s3d_jax import bundled, checkpoint, quant
 from s3d_jax.checkpoint import CheckpointError, Model
-from s3d_jax.config import ConfigError, ModelConfig
+from s3d_jax.config import QUANTIZED_DTYPES, ConfigError, ModelConfig
 from s3d_jax.model import cast_params, init_params
 from s3d_jax.objective import Objective
 from s3d_jax.train.config import model_config_from, resume_settings
@@ -33,10 +33,11 @@ from s3d_jax.train.trainer import Trainer, TrainState
 def load_base_model(cfg: ml_collections.ConfigDict) -> Model:
     """The model to train, with its tokenizer: a converted checkpoint, the bundled SmolLM2, or a
     random one (`model_path: ''`). Its params are float32 master weights (plus fresh adapters)."""
+    held = cfg.base_dtype if cfg.base_dtype in QUANTIZED_DTYPES else None  # QLoRA: the projections stay quantized
     if cfg.model_path == "bundled":
-        model = bundled.load()
+        model = bundled.load(dtype=held)  # int4: the GGUF's own blocks
     elif cfg.model_path:
-        model = checkpoint.load(cfg.model_path)
+        model = checkpoint.load(cfg.model_path, dtype=held)
     else:
         config = model_config_from(cfg)
         tokenizer = bundled.tokenizer() if cfg.tokenizer == "bundled" else None
@@ -49,12 +50,18 @@ def load_base_model(cfg: ml_collections.ConfigDict) -> Model:
         raise ConfigError("training needs a tokenizer with a chat template; the model has none")
     if cfg.data.max_len > model.config.max_position_embeddings:
         raise ConfigError(f"data.max_len {cfg.data.max_len} exceeds the model's {model.config.max_position_embeddings} positions")
-    # Master weights are float32; `train.compute_dtype` sets the precision of the passes.
+    # Master weights are float32 (or the frozen projections quantized); `train.compute_dtype` sets the
+    # precision of the passes.
     config = model.config.replace(dtype="float32", draft_lora_rank=cfg.s3d.lora_rank)
-    params = cast_params(quant.dequantize_params(model.params), jnp.float32)  # an int8 base trains from its float32 value
+    if held:
+        params = quant.quantize_params(model.params, held)
+        # The vocabulary tables in float32: the mask token's row trains, and a quantized table has no row to train.
+        params = {**params, **{k: quant.dense(params[k]) for k in quant.VOCABULARY_TABLES if k in params}}
+    else:
+        params = cast_params(quant.dequantize_params(model.params), jnp.float32)
     if cfg.s3d.lora_rank:  # the base weights, plus new adapters
         merged = traverse_util.flatten_dict(init_params(config, jax.random.key(cfg.train.seed + 1)))
-        merged.update(traverse_util.flatten_dict(params))
+        merged.update(traverse_util.flatten_dict(params, is_leaf=lambda _, node: quant.is_quantized(node)))  # a weight whole
         params = traverse_util.unflatten_dict(merged)
     return Model(params, config, model.tokenizer)
 
@@ -238,7 +245,9 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, state: TrainState
 def export(params, config: ModelConfig, objective: Objective, tokenizer, out: Path, dtype: str) -> Path:
     """Writes a model directory that `s3d_jax.load` reads, with the drafter's defaults recorded."""
     config = config.replace(dtype=dtype, draft_skip=objective.skip, draft_gamma=objective.gamma)
-    params = cast_params(jax.device_get(params), config.jnp_dtype)
+    params = jax.device_get(params)  # a QLoRA run's base is quantized: exported in model_dtype all the same
     if config.quantized:
         params = quant.quantize_params(params, config.dtype)
+    else:
+        params = cast_params(quant.dequantize_params(params), config.jnp_dtype)
     return checkpoint.save(out, params, config, tokenizer, overwrite=True)  # the run's own output, replaced whole

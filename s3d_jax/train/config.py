@@ -11,7 +11,7 @@ from pathlib import Path
 
 import ml_collections
 
-from s3d_jax.config import DTYPES, FLOAT_DTYPES, ConfigError, ModelConfig, validate_skip
+from s3d_jax.config import DTYPES, FLOAT_DTYPES, QUANTIZED_DTYPES, ConfigError, ModelConfig, validate_skip
 from s3d_jax.data import LOSS_ON
 from s3d_jax.objective import LOSS_POSITIONS, MASKINGS, TARGETS, Objective
 
@@ -27,6 +27,9 @@ def default_config() -> ml_collections.ConfigDict:
                                              dtype="float32", mask_token_id=ml_collections.FieldReference(None, field_type=int)))
     c.tokenizer = "bundled"  # for a random model: "bundled" (SmolLM2's) or a directory with tokenizer files
     c.model_dtype = "float32"  # dtype of the exported model
+    # How the frozen base is held while the drafter trains: "float32" master weights, or the projections
+    # in "int8" or "int4" (QLoRA: needs s3d.lora_rank; the adapters and the vocabulary tables stay float32).
+    c.base_dtype = "float32"
     c.s3d = ml_collections.ConfigDict(dict(
         skip=(0, 0), gamma=4,
         masking="span",  # "span": anchors each followed by gamma-1 masks, as at inference; "iid": the paper's 15%
@@ -139,7 +142,7 @@ _STR = (lambda v: isinstance(v, str)), "a string"
 _SKIP = (lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_int(i) and i >= 0 for i in v)), "a pair (l, h) of layer indices"
 
 FIELD_RULES = {
-    "model_path": _STR, "tokenizer": _STR, "model_dtype": _one_of(*DTYPES),
+    "model_path": _STR, "tokenizer": _STR, "model_dtype": _one_of(*DTYPES), "base_dtype": _one_of("float32", *QUANTIZED_DTYPES),
     "s3d.skip": _SKIP, "s3d.gamma": _int_at_least(1), "s3d.masking": _one_of(*MASKINGS),
     "s3d.mask_prob": _number(0, 1, above=True, below=True), "s3d.loss_positions": _one_of(*LOSS_POSITIONS),
     "s3d.target_grad": _BOOL, "s3d.lm_loss_weight": _number(0), "s3d.kl_weight": _number(0), "s3d.lora_rank": _int_at_least(0),
@@ -200,7 +203,7 @@ def unknown_field(dotted: str) -> str | None:
 RESUME_FIELDS = (
     "s3d.skip", "s3d.gamma", "s3d.masking", "s3d.mask_prob", "s3d.loss_positions", "s3d.target_grad", "s3d.lm_loss_weight",
     "s3d.kl_weight", "s3d.lora_rank", "s3d.train_head", "s3d.target", "s3d.target_temperature", "s3d.target_top_k",
-    "s3d.argmax_weight", "s3d.draft_vocab", "s3d.draft_vocab_data",
+    "s3d.argmax_weight", "s3d.draft_vocab", "s3d.draft_vocab_data", "base_dtype",
     "data.path", "data.max_len", "data.pack", "data.loss_on", "data.eval_fraction", "data.max_conversations", "train.seed",
 )
 ROWS_PER_STEP = "train.batch_size x train.grad_accum"
@@ -218,6 +221,9 @@ def check_settings(cfg: ml_collections.ConfigDict, data_axis: int) -> None:
     """Refuses settings that contradict each other, before anything is loaded."""
     if cfg.s3d.lora_rank and cfg.s3d.train_head:
         raise ConfigError("s3d.train_head with draft-only LoRA would change the verifier; choose one")
+    if cfg.base_dtype != "float32" and not cfg.s3d.lora_rank:
+        raise ConfigError(f"base_dtype {cfg.base_dtype} freezes every base weight in {cfg.base_dtype}: it trains draft-only LoRA "
+                          "adapters (set s3d.lora_rank), or use base_dtype float32")
     if cfg.s3d.draft_vocab and cfg.s3d.train_head:
         raise ConfigError("s3d.draft_vocab copies the head's columns, which s3d.train_head would leave stale; choose one")
     if cfg.train.batch_size % data_axis:
