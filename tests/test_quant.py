@@ -4,6 +4,7 @@ decoding, and quantized model directories."""
 import dataclasses
 import os
 import shutil
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +137,18 @@ def test_quantized_speculative_greedy_equals_plain_greedy(quantized_model, optio
     assert sum(spec.stats.iterations) < sum(plain.stats.iterations)  # drafts were accepted: the check exercised them
 
 
+def test_quantized_speculative_greedy_is_exact_on_xlas_dot_too(quantized_model, monkeypatch):
+    """With the kernel switched off every product dequantizes into XLA's dot, as on a GPU."""
+    monkeypatch.setenv(few_rows.ENV_SWITCH, "0")
+    prompts = [[5, 17, 3, 40], [9, 9, 2]]
+    plain = s3d_jax.decode(quantized_model, prompts, method="ar", max_new_tokens=16, eos_token_ids=())
+    spec = s3d_jax.decode(quantized_model, prompts, method="s3d", max_new_tokens=16, eos_token_ids=(), min_certainty=0.0,
+                          gamma=3, skip=(1, 4), tree=4)
+    assert spec.tokens == plain.tokens
+    lowered = jax.jit(few_rows.matmul).lower(jnp.ones((1, 64)), quantized_model.params["layer_0"]["mlp"]["gate"]).as_text()
+    assert "custom_call" not in lowered
+
+
 def test_a_quantized_directory_saves_loads_and_converts_both_ways(quantized_model, tmp_path):
     dtype, other = quantized_model.config.dtype, {"int8": "int4", "int4": "int8"}[quantized_model.config.dtype]
     float_model = dequantized(quantized_model)
@@ -217,7 +230,12 @@ def test_gguf_blocks_load_as_they_ship(tmp_path):
     shipped = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
     reference = s3d_jax.load(convert(tmp_path / "m.gguf", tmp_path / "f32", progress=False))  # dequantized by gguf
     for dtype in ("int4", "int8"):
-        model = s3d_jax.load(convert(tmp_path / "m.gguf", tmp_path / dtype, dtype=dtype, progress=False))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = s3d_jax.load(convert(tmp_path / "m.gguf", tmp_path / dtype, dtype=dtype, progress=False))
+        said = [str(w.message) for w in caught if "weights are not" in str(w.message)]
+        # int8 requantizes the Q4 weights and says what it cost; int4 keeps Q4_0 and requantizes nothing
+        assert said == [] if dtype == "int4" else (len(said) == 2 and "Q4_1 weights are not int8's blocks" in " ".join(said))
         layer = model.params["layer_1"]
         assert quant.bits_of(layer["attn"]["q"]) == quant.bits_of(layer["mlp"]["down"]) == quant.BITS[dtype]
         assert quant.bits_of(model.params["embed"]) == 8

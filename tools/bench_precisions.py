@@ -98,6 +98,7 @@ def summarize(results: dict[str, dict[str, dict]]) -> list[dict]:
             "plain_rss_vs_float32": plain["peak_memory_mib"] / base["peak_memory_mib"],
             "s3d_msr": memory_normalised_speedup(speed(s3d), speed(plain), s3d["peak_memory_mib"], plain["peak_memory_mib"]),
             "s3d_differs_from_plain": differs, "replies": len(plain["records"]), "agrees_with_float32": agreement(plain, base),
+            "s3d_drafted": any(r.get("method", "s3d") != "ar" for r in s3d["records"]),  # False: the policy chose plain steps
         })
         if "llama_cpp" in engines:
             peer = engines["llama_cpp"]
@@ -110,8 +111,9 @@ def render(rows: list[dict]) -> str:
     lines = ["| precision | plain tokens/s | plain vs float32 plain | S3D vs plain | E | peak MiB, plain / S3D | "
              "plain peak vs float32's | S3D M-SR | S3D ≠ plain | agrees with float32 |", "|" + " --- |" * 10]
     for r in rows:
+        policy_e = f"{r['E']:.2f}" if r["s3d_drafted"] else "— (policy: plain steps)"
         lines.append(f"| {r['dtype']} | {r['plain_tokens_per_s']:.1f} | {r['plain_vs_float32']:.2f}x | {r['s3d_vs_plain']:.2f}x | "
-                     f"{r['E']:.2f} | {r['plain_peak_mib']:.0f} / {r['s3d_peak_mib']:.0f} | {r['plain_rss_vs_float32']:.2f}x | "
+                     f"{policy_e} | {r['plain_peak_mib']:.0f} / {r['s3d_peak_mib']:.0f} | {r['plain_rss_vs_float32']:.2f}x | "
                      f"{r['s3d_msr']:.2f} | {r['s3d_differs_from_plain']} of {r['replies']} | {r['agrees_with_float32']:.1%} |")
     peers = [r for r in rows if "llama_cpp_tokens_per_s" in r]
     if peers:

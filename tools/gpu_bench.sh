@@ -40,6 +40,9 @@ python3 tools/bench_decode.py --skip-hf --prompts 8 --max-new-tokens 256 --trees
 # the speed setting (exactness there is reported by the tables' "output equals plain" columns).
 python3 tools/bench_decode.py --skip-hf --dtype bfloat16 --prompts 8 --max-new-tokens 256 --trees 0 8 16 --out "$OUT/bf16" --quiet \
   | tee "$OUT/decode_bf16.txt"
+# Each precision's plain and S3D speed and peak memory (int8 and int4 dequantize into XLA's dot on a GPU).
+python3 tools/bench_precisions.py --dtypes float32,bfloat16,int8,int4 --suite mt_bench --limit 5 --out "$OUT/precisions" \
+  2> "$OUT/precisions.log" | tee "$OUT/precisions.txt"
 python3 -m s3d_jax.predict --drafters s3d_jax/drafters/SmolLM2-135M-Instruct.safetensors --trees 8 16 32 64 --questions 10 \
   --max-gamma 4 --sweep --out "$OUT/predict_trees" 2> "$OUT/predict.log" | tee "$OUT/predict.txt"
 python3 -m s3d_jax.self_data --out runs/smollm2_replies.jsonl --limit 640 --batch 64 --max-new-tokens 192 \

@@ -54,7 +54,14 @@ def serve(engine, request_path: str, result_path: str) -> int:
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident memory."""
+    """This process's peak resident memory: its own (`VmHWM`, Linux). `ru_maxrss` would do elsewhere,
+    but Linux carries it across exec, so a child would report at least its parent's size at the fork."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -23,7 +23,7 @@ from s3d_jax.options import DecodeOptions
 class Decoded:
     """Prompts decoded with the same options: a record per turn, and their totals."""
 
-    records: list[dict]  # per turn: suite, id, turn, tokens, text, seconds, compile_seconds, histogram
+    records: list[dict]  # per turn: suite, id, turn, tokens, text, seconds, compile_seconds, histogram, plain_steps, method
     tokens: int
     seconds: float  # decoding only: compilation is excluded
     histogram: np.ndarray  # the accept histogram summed over every turn
@@ -40,7 +40,7 @@ def decode_prompts(model, prompts: dict[str, list[dict]], options: DecodeOptions
         out = api.decode(model, item["text"] if messages is None else messages, options)
         return {"tokens": out.tokens, "text": out.text, "seconds": out.stats.decode_seconds,
                 "compile_seconds": out.stats.compile_seconds, "histogram": np.sum(out.stats.accept_histogram, axis=0).tolist(),
-                "plain_steps": sum(out.stats.plain_steps)}
+                "plain_steps": sum(out.stats.plain_steps), "method": out.stats.method}  # "ar" where the calibrated policy chose plain steps
 
     records = run_turns(prompts, generate)
     return Decoded(records, sum(len(r["tokens"]) for r in records), sum(r["seconds"] for r in records),
