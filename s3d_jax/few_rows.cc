@@ -12,6 +12,7 @@
 // summed over k in the same order whatever the number of rows or threads, so a token's logits do
 // not depend on how many tokens share its pass.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <bit>
 #include <chrono>
@@ -20,6 +21,7 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <utility>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -150,7 +152,7 @@ struct Int4Weight {
 };
 
 constexpr int64_t kWeightRows = 8;    // weight rows read together
-constexpr int64_t kMaxRows = 8;       // rows of x per sweep over the weight
+constexpr int64_t kMaxRows = 8;       // rows of x per sweep over a float weight
 constexpr int64_t kColumnAlign = 16;  // a thread's columns start on a whole vector
 
 // y[t, n0:n1] += sum over k in [k0, k0+KB) of x[t, k] * w[k, n0:n1], for T rows. The KB rows lie
@@ -237,9 +239,18 @@ void Columns(const float* x, const void* weight, float* y, int64_t K, int64_t n0
 }
 
 using ColumnsFn = void (*)(const float*, const void*, float*, int64_t, int64_t, int64_t);
+
+// Rows of x per sweep: a quantized weight's codes are widened once per sweep, which costs more than
+// a float weight's loads, so its sweeps take up to 16 rows (a tree of 15 and its root in one).
 template <typename W>
-constexpr ColumnsFn kColumns[kMaxRows + 1] = {nullptr,       Columns<1, W>, Columns<2, W>, Columns<3, W>, Columns<4, W>,
-                                              Columns<5, W>, Columns<6, W>, Columns<7, W>, Columns<8, W>};
+constexpr int64_t kSweepRows = std::is_same_v<W, Int8Weight> || std::is_same_v<W, Int4Weight> ? 16 : kMaxRows;
+
+template <typename W, size_t... T>
+constexpr std::array<ColumnsFn, sizeof...(T) + 1> ColumnsTable(std::index_sequence<T...>) {
+  return {nullptr, Columns<T + 1, W>...};
+}
+template <typename W>
+constexpr auto kColumns = ColumnsTable<W>(std::make_index_sequence<kSweepRows<W>>());
 
 // The columns split into parts that the calling thread and the helper threads claim one at a time.
 // A caller never waits for a part nobody has claimed, so concurrent calls cannot starve each other.
@@ -247,6 +258,7 @@ struct Job {
   const float* x;
   const void* w;             // the weight's reader (Float32Weight, ...), alive until the job is done
   const ColumnsFn* columns;  // kColumns of the reader's type
+  int64_t sweep_rows;        // and its kSweepRows
   float* y;
   int64_t M, K, N, part_columns, parts;
   std::atomic<int64_t> next{0};
@@ -255,8 +267,8 @@ struct Job {
   void RunParts() {
     for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
       const int64_t n0 = p * part_columns, n1 = std::min(N, n0 + part_columns);
-      for (int64_t m = 0; m < M; m += kMaxRows) {
-        const int64_t rows = std::min(kMaxRows, M - m);
+      for (int64_t m = 0; m < M; m += sweep_rows) {
+        const int64_t rows = std::min(sweep_rows, M - m);
         columns[rows](x + m * K, w, y + m * N, K, n0, n1);
       }
       done.fetch_add(1, std::memory_order_release);
@@ -321,7 +333,8 @@ class Helpers {
 template <typename W>
 void Run(const float* x, const W& reader, float* y, int64_t M, int64_t K) {
   auto job = std::make_shared<Job>();
-  job->columns = kColumns<W>;
+  job->columns = kColumns<W>.data();
+  job->sweep_rows = kSweepRows<W>;
   job->x = x;
   job->w = &reader;
   job->y = y;
