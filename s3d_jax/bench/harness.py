@@ -53,27 +53,28 @@ def serve(engine, request_path: str, result_path: str) -> int:
     return 0
 
 
-def peak_rss_mib() -> float:
-    """This process's peak resident memory: its own (`VmHWM`, Linux). `ru_maxrss` would do elsewhere,
-    but Linux carries it across exec, so a child would report at least its parent's size at the fork."""
+def _status_mib(field: str) -> float | None:
+    """A memory figure of this process from /proc/self/status (Linux), in MiB; None elsewhere."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return None
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory: its own (`VmHWM`, Linux). `ru_maxrss` would do elsewhere,
+    but Linux carries it across exec, so a child would report at least its parent's size at the fork."""
+    peak = _status_mib("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def rss_mib() -> float:
     """This process's resident memory now (Linux); elsewhere its peak so far."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return peak_rss_mib()
+    now = _status_mib("VmRSS")
+    return now if now is not None else peak_rss_mib()
 
 
 def export_for_transformers(model_dir: str, out: str) -> str:
