@@ -196,6 +196,10 @@ _advance_jit = jax.jit(advance, static_argnames=("config", "plan", "few_row_kern
 
 # Executables compiled ahead of time, most recently used last. Bounded: a long-lived process that
 # decodes many shapes keeps the newest few; a `Run` holds its own two for as long as it lives.
+# JAX keeps its own reference to each one (its lowering and compilation caches), so an eviction also
+# clears those: on the CPU a decode loop's code lies in about a thousand memory mappings, and Linux
+# stops a process at 65,530 (vm.max_map_count), which XLA's compiler meets as a crash after some 60
+# loops (docs/cpu.md, "Memory mappings").
 MAX_EXECUTABLES = 32
 _executables: collections.OrderedDict = collections.OrderedDict()
 _compiles = 0
@@ -242,8 +246,10 @@ def compiled(fn, *args, few_row_passes: bool = False, **statics):
         _executables.move_to_end(key)
         return _executables[key], 0.0
     _executables[key], seconds = compile_ahead(fn, *args, few_row_passes=few_row_passes, **statics)
-    while len(_executables) > MAX_EXECUTABLES:
-        _executables.popitem(last=False)
+    if len(_executables) > MAX_EXECUTABLES:
+        while len(_executables) > MAX_EXECUTABLES:
+            _executables.popitem(last=False)
+        jax.clear_caches()  # what is still in use lives on through its holders (here, and `Run`s)
     return _executables[key], seconds
 
 

