@@ -11,19 +11,21 @@ from s3d_jax import bundled, drafter, quant
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_quantized_with_the_shipped_drafter_is_exact_and_close_to_float32(dtype, smollm2_dir):
+# One S3D loop each, a chain at int8 and a tree of 16 at int4 (passes of more rows than one of the
+# kernel's sweeps): test_quant.py runs both kinds at both precisions on random weights.
+@pytest.mark.parametrize("dtype, tree", [("int8", 0), ("int4", 16)])
+def test_quantized_with_the_shipped_drafter_is_exact_and_close_to_float32(dtype, tree, smollm2_dir):
     """int8 quantized at load, and int4 from the GGUF's own Q4_1 blocks (the weights float32 holds
-    dequantized): the shipped drafter still applies, S3D and a tree reproduce plain greedy output at
-    that precision, and its logits stay near float32's."""
+    dequantized): the shipped drafter still applies, S3D reproduces plain greedy output at that
+    precision, and its logits stay near float32's."""
     base = s3d_jax.load(smollm2_dir, dtype="int8") if dtype == "int8" else bundled.load(dtype="int4")
     quantized = drafter.apply(base, bundled.DRAFTER)
     assert quant.bits_of(quantized.params["layer_0"]["mlp"]["down"]) == quant.BITS[dtype]
     assert quantized.params["embed"]["values"].dtype == "int8" and quantized.params["draft_head"]["values"].dtype == "int8"
     plain = s3d_jax.decode(quantized, CHATS, chat=True, method="ar", max_new_tokens=NEW_TOKENS)
-    for options in (dict(tree=0), dict(tree=16)):  # drafting at every iteration (no calibration: a minute that checks nothing here)
-        out = s3d_jax.decode(quantized, CHATS, chat=True, max_new_tokens=NEW_TOKENS, min_certainty=0.0, **options)
-        assert out.tokens == plain.tokens, options
+    # Drafting at every iteration (no calibration: a minute that checks nothing here).
+    out = s3d_jax.decode(quantized, CHATS, chat=True, max_new_tokens=NEW_TOKENS, min_certainty=0.0, tree=tree)
+    assert out.tokens == plain.tokens
     ids = plain.tokens[0][:32]  # the logits stay near float32's on real text
     float_logits, quantized_logits = np.asarray(s3d_jax.logits(s3d_jax.load(smollm2_dir), ids)), np.asarray(s3d_jax.logits(quantized, ids))
     # int8 rounds the weights (0.035 measured on a reply); int4 holds float32's own weights, summed in another order.
