@@ -246,9 +246,8 @@ def compiled(fn, *args, few_row_passes: bool = False, **statics):
         _executables.move_to_end(key)
         return _executables[key], 0.0
     _executables[key], seconds = compile_ahead(fn, *args, few_row_passes=few_row_passes, **statics)
-    if len(_executables) > MAX_EXECUTABLES:
-        while len(_executables) > MAX_EXECUTABLES:
-            _executables.popitem(last=False)
+    while len(_executables) > MAX_EXECUTABLES:
+        _executables.popitem(last=False)
         jax.clear_caches()  # what is still in use lives on through its holders (here, and `Run`s)
     return _executables[key], seconds
 
