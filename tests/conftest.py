@@ -12,7 +12,7 @@ import tempfile
 import jax
 import pytest
 
-from s3d_jax import decoding
+from s3d_jax import compile_cache, decoding
 from s3d_jax.bundled import gguf_path
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.convert import convert
@@ -38,6 +38,10 @@ def pytest_configure(config):
         os.environ[_TEST_CACHE] = tempfile.mkdtemp(prefix="s3d_jax_tests-")
         config.stash[_owner] = os.environ[_TEST_CACHE]
     os.environ[ENV_CACHE] = os.environ[_TEST_CACHE]
+    # The command lines the tests start already share compiled executables through JAX's persistent
+    # cache in that directory; the test processes share them too, so a program compiled by one file
+    # (the real model's loops, above all) is loaded by the next instead of compiled again.
+    compile_cache.enable()
 
 
 # The longest files, first: pytest-xdist hands files to its workers in collection order, and a long file

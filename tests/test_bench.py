@@ -23,6 +23,24 @@ def test_memory_normalised_speedup():
     assert memory_normalised_speedup(30.0, 10.0, 200.0, 100.0) == pytest.approx(1.5)
 
 
+def test_the_table_names_the_policy_each_engine_ran():
+    """A speedup at the calibrated defaults means little without what they chose on that machine."""
+    from s3d_jax.bench.report import render_table, summarize_engine
+
+    def result(policy, seconds):
+        records = [{"suite": "mt_bench", "id": i, "turn": 0, "tokens": [1, 2, 3, 4], "text": "", "seconds": seconds,
+                    "compile_seconds": 1.0, "histogram": [1, 0, 1], "plain_steps": 1, "policy": policy} for i in (0, 1)]
+        return {"records": records, "peak_memory_mib": 100.0, "memory_kind": "process peak RSS"}
+
+    prompts = {"mt_bench": [{"id": 0}, {"id": 1}]}
+    base = summarize_engine("ar", "mt_bench", result("", 2.0), prompts)
+    chosen = "calibrated policy: tree of 4, never drafts, context branch on; predicted 1.15x"
+    row = summarize_engine("s3d", "mt_bench", result(chosen, 1.0), prompts, base, result("", 2.0))
+    assert "policy" not in base and row["policy"] == chosen and row["speedup"] == pytest.approx(2.0)
+    table = render_table([base, row])
+    assert table.splitlines()[-1] == f"- s3d: {chosen}" and table.count("policy") == 1
+
+
 def test_expected_tokens_from_acceptance_per_depth():
     assert expected_tokens([]) == 1.0
     assert expected_tokens([1.0, 1.0, 1.0]) == 4.0

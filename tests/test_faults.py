@@ -411,26 +411,36 @@ def test_bad_api_input(places, what, call, exception, fragment):
 # ------------------------------------------------------------------ the kernel in the cache
 
 
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny model with the bundled tokenizer and its chat template: a command line's whole path, compiled in seconds."""
+    from s3d_jax import bundled
+
+    model = tiny_model(vocab_size=49153, mask_token_id=49152)
+    path = tmp_path_factory.mktemp("chat_model")
+    checkpoint.save(path, model.params, model.config.replace(eos_token_ids=(2,)), bundled.tokenizer())
+    return path
+
+
 @pytest.mark.needs("bundled_model")
 @pytest.mark.parametrize("how,damage", [("generate", "truncated"), ("api", "truncated"), ("generate", "another library")])
-def test_a_damaged_kernel_in_the_cache_is_rebuilt_not_loaded(tmp_path, how, damage):
+def test_a_damaged_kernel_in_the_cache_is_rebuilt_not_loaded(tmp_path, chat_model, how, damage):
     """A kernel cut short in the cache (a crash, an interrupted copy) once killed every later run with
     SIGBUS, and another library at its path ended in a traceback; now the command line and the API
     rebuild it and go on."""
-    from s3d_jax import bundled, few_rows, paths
+    from s3d_jax import few_rows, paths
 
     if not few_rows.available():
         pytest.skip("no few-row kernel here (no compiler, or switched off)")
-    model = bundled.ensure_converted()
     shutil.copytree(paths.cache_root() / "kernels", tmp_path / "kernels")
     for library in (tmp_path / "kernels").glob("few_rows-*.so"):
         if damage == "truncated":
             os.truncate(library, 4096)
         else:
             shutil.copyfile(Path(sys.executable).resolve(), library)  # an ELF, but not the kernel
-    command = {"generate": ["-m", "s3d_jax.generate", "--model", str(model), "--drafter", "none", "--chat", "--prompt", "Hi",
+    command = {"generate": ["-m", "s3d_jax.generate", "--model", str(chat_model), "--drafter", "none", "--chat", "--prompt", "Hi",
                             "--max-new-tokens", "4"],
-               "api": ["-c", f"import s3d_jax; print(s3d_jax.decode(s3d_jax.load({str(model)!r}), [1, 2, 3], max_new_tokens=4).tokens)"]}
+               "api": ["-c", f"import s3d_jax; print(s3d_jax.decode(s3d_jax.load({str(chat_model)!r}), [1, 2], max_new_tokens=4).tokens)"]}
     result = subprocess.run([sys.executable, *command[how]], capture_output=True, text=True, timeout=600,
                             env={**os.environ, "S3D_JAX_CACHE": str(tmp_path)})
     assert result.returncode == 0, result.stderr

@@ -40,7 +40,8 @@ def decode_prompts(model, prompts: dict[str, list[dict]], options: DecodeOptions
         out = api.decode(model, item["text"] if messages is None else messages, options)
         return {"tokens": out.tokens, "text": out.text, "seconds": out.stats.decode_seconds,
                 "compile_seconds": out.stats.compile_seconds, "histogram": np.sum(out.stats.accept_histogram, axis=0).tolist(),
-                "plain_steps": sum(out.stats.plain_steps), "method": out.stats.method}  # "ar" where the calibrated policy chose plain steps
+                "plain_steps": sum(out.stats.plain_steps), "method": out.stats.method,  # "ar" where the calibrated policy chose plain steps
+                "policy": out.stats.policy}
 
     records = run_turns(prompts, generate)
     return Decoded(records, sum(len(r["tokens"]) for r in records), sum(r["seconds"] for r in records),

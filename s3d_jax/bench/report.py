@@ -32,6 +32,9 @@ def summarize_engine(engine: str, suite: str, result: dict, prompts: dict, base:
         row["plain_step_share"] = plain_steps / max(plain_steps + hist.sum(), 1)  # of every pass that emitted tokens
     else:
         row["acceptance_per_depth"], row["tokens_per_iteration"] = [], float("nan")
+    policies = sorted({r["policy"] for r in records if r.get("policy")})
+    if policies:  # what S3D did where the calibrated policy chose its defaults: the numbers mean little without it
+        row["policy"] = " / ".join(policies)
     if base is not None:
         row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["msr"] = memory_normalised_speedup(row["tokens_per_s"], base["tokens_per_s"], row["peak_memory_mib"], base["peak_memory_mib"])
@@ -59,7 +62,8 @@ def render_table(rows: list[dict]) -> str:
         lines.append(f"| {r['suite']} | {r['engine']} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f}x | {e} | {plain} | {depth} | "
                      f"{r['peak_memory_mib']:.0f} | {r.get('msr', 1.0):.2f} | {quality} | {r.get('differs_from_plain', '-')} | "
                      f"{'-' if r['compile_s'] is None else format(r['compile_s'], '.1f')} |")
-    return "\n".join(lines)
+    policies = dict.fromkeys(f"{r['engine']}: {r['policy']}" for r in rows if r.get("policy"))
+    return "\n".join(lines + ([""] if policies else []) + [f"- {p}" for p in policies])
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
