@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from s3d_jax import Model, ModelConfig
+from s3d_jax import Model, ModelConfig, bundled, checkpoint
 from s3d_jax.model import init_params
 
 
@@ -35,6 +35,21 @@ def tiny_model(seed: int = 0, scale: float = 4.0, **overrides) -> Model:
         lambda path, x: x if "scale" in jax.tree_util.keystr(path) else x * scale, params
     )
     return Model(params, config)
+
+
+def tiny_chat_model(**overrides) -> Model:
+    """A small random model over SmolLM2's vocabulary with the bundled tokenizer and its chat template:
+    a command line's or a server's whole path, compiled in seconds."""
+    fields = dict(seed=0, vocab_size=49153, mask_token_id=49152, hidden_size=32, intermediate_size=64, head_dim=8)
+    model = tiny_model(**{**fields, **overrides})
+    return Model(model.params, model.config, bundled.tokenizer())
+
+
+def save_chat_model(path, **overrides):
+    """`tiny_chat_model` saved as a model directory that stops at SmolLM2's end-of-turn id (2); returns `path`."""
+    model = tiny_chat_model(**overrides)
+    checkpoint.save(path, model.params, model.config.replace(eos_token_ids=(2,)), model.tokenizer)
+    return path
 
 
 def _rms(x, w, eps):

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from reference import tiny_model
+from reference import save_chat_model, tiny_model
 
-from s3d_jax import bundled, checkpoint
+from s3d_jax import checkpoint
 from s3d_jax.bench.quality import pass_at_1, rouge
 from s3d_jax.bench.suites import humaneval_completion
 from s3d_jax.metrics import expected_tokens, memory_normalised_speedup
@@ -67,9 +67,7 @@ def test_humaneval_harness_runs_completions():
 
 @pytest.mark.needs("bundled_model", "mt_bench", "humaneval", "news")
 def test_bench_smoke_on_a_tiny_model(tmp_path):
-    model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, hidden_size=32, intermediate_size=64, head_dim=8)
-    tokenizer = bundled.tokenizer()
-    checkpoint.save(tmp_path / "model", model.params, model.config.replace(eos_token_ids=(2,)), tokenizer)
+    save_chat_model(tmp_path / "model")
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "s3d_jax.bench", "--model", str(tmp_path / "model"), "--suite", "mt_bench,humaneval,news",
@@ -118,8 +116,7 @@ def test_the_bench_module_leaves_jax_out():
 @pytest.mark.needs("bundled_model")
 def test_bench_decode_on_a_tiny_model(tmp_path):
     """tools/bench_decode.py: pass costs and every method in s3d_jax's process, transformers in the bench's peer process."""
-    model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, hidden_size=32, intermediate_size=64, head_dim=8)
-    checkpoint.save(tmp_path / "model", model.params, model.config.replace(eos_token_ids=(2,)), bundled.tokenizer())
+    save_chat_model(tmp_path / "model")
     command = [sys.executable, "tools/bench_decode.py", "--model", str(tmp_path / "model"), "--prompts", "2", "--max-new-tokens", "6",
                "--gamma", "2", "--gammas", "2", "--context", "16", "--repeats", "2", "--quiet", "--out", str(tmp_path / "out"),
                "--trees", "0", "3"]
@@ -184,9 +181,7 @@ def test_every_command_line_passes_its_dtype_to_load():
 def test_bench_precisions_on_a_tiny_model(tmp_path):
     """Each precision's plain and S3D engines in one run: S3D reproduces plain at every precision, and
     float32 agrees with itself."""
-    model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, hidden_size=64, intermediate_size=64, num_heads=2,
-                       num_kv_heads=1, head_dim=32)
-    checkpoint.save(tmp_path / "model", model.params, model.config.replace(eos_token_ids=(2,)), bundled.tokenizer())
+    save_chat_model(tmp_path / "model", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
     out = tmp_path / "precisions"
     result = subprocess.run(
         [sys.executable, "tools/bench_precisions.py", "--model", str(tmp_path / "model"), "--drafter", "none", "--dtypes", "float32,int8",

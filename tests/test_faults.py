@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from reference import one_tensor_gguf, tiny_model
+from reference import one_tensor_gguf, save_chat_model, tiny_model
 from safetensors.numpy import load_file, save_file
 from test_train import ROOT, leaves, records, tiny_config
 
@@ -413,13 +413,7 @@ def test_bad_api_input(places, what, call, exception, fragment):
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    """A tiny model with the bundled tokenizer and its chat template: a command line's whole path, compiled in seconds."""
-    from s3d_jax import bundled
-
-    model = tiny_model(vocab_size=49153, mask_token_id=49152)
-    path = tmp_path_factory.mktemp("chat_model")
-    checkpoint.save(path, model.params, model.config.replace(eos_token_ids=(2,)), bundled.tokenizer())
-    return path
+    return save_chat_model(tmp_path_factory.mktemp("chat_model"))
 
 
 @pytest.mark.needs("bundled_model")

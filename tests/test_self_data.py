@@ -3,10 +3,9 @@
 import json
 
 import pytest
-from reference import tiny_model
+from reference import tiny_chat_model
 
 from s3d_jax import bundled, data, self_data
-from s3d_jax.checkpoint import Model
 from s3d_jax.options import DecodeOptions
 
 PROMPTS = [(f"p{i}", f"Question number {i}: what is {i} plus {i}?") for i in range(7)]
@@ -14,18 +13,12 @@ OPTIONS = DecodeOptions(method="ar", max_new_tokens=6)
 pytestmark = pytest.mark.needs("bundled_model")  # its tokenizer and chat template
 
 
-def chat_model():
-    """A tiny random model with the bundled tokenizer (and its chat template)."""
-    model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, hidden_size=32, intermediate_size=64, head_dim=8)
-    return Model(model.params, model.config, bundled.tokenizer())
-
-
 def lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_replies_resume_after_a_cut_line_with_none_lost_or_repeated(tmp_path, capsys):
-    model = chat_model()
+    model = tiny_chat_model()
     clean, resumed = tmp_path / "clean.jsonl", tmp_path / "resumed.jsonl"
     self_data.generate(model, PROMPTS, clean, OPTIONS, batch=3, progress=False)
     assert [r["id"] for r in lines(clean)] == [key for key, _ in PROMPTS]
@@ -46,7 +39,7 @@ def test_replies_resume_after_a_cut_line_with_none_lost_or_repeated(tmp_path, ca
 
 
 def test_batched_replies_equal_replies_one_at_a_time(tmp_path):
-    model = chat_model()
+    model = tiny_chat_model()
     batched, single = tmp_path / "batched.jsonl", tmp_path / "single.jsonl"
     self_data.generate(model, PROMPTS[:4], batched, OPTIONS, batch=4, progress=False)
     self_data.generate(model, PROMPTS[:4], single, OPTIONS, batch=1, progress=False)

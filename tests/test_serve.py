@@ -13,10 +13,10 @@ import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from reference import tiny_model
+from reference import tiny_chat_model
 
 import s3d_jax
-from s3d_jax import bundled, checkpoint, decoding
+from s3d_jax import checkpoint, decoding
 from s3d_jax.serve import engine as engine_module
 from s3d_jax.serve.app import create_app
 from s3d_jax.serve.engine import Engine, Lane, Request
@@ -28,9 +28,8 @@ QUESTIONS = [f"Question {i}: what is {i} plus {i}?" for i in range(7)]
 
 
 def chat_model():
-    model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, hidden_size=32, intermediate_size=64, head_dim=8)
-    config = model.config.replace(draft_skip=(1, 2), draft_gamma=3, draft_tree=4)
-    return s3d_jax.Model(model.params, config, bundled.tokenizer())
+    model = tiny_chat_model()
+    return s3d_jax.Model(model.params, model.config.replace(draft_skip=(1, 2), draft_gamma=3, draft_tree=4), model.tokenizer)
 
 
 @pytest.fixture(scope="module")
