@@ -8,7 +8,9 @@ steps, on a GPU running a large model about one. `decode`'s drafting defaults (t
 where to draft) come from these costs and the drafter's measured acceptance (`speedup.choose_policy`;
 docs/design.md, "Drafting chosen from measured costs"). A calibration times a plain step, a verify of
 γ+1 tokens, one S3D draft pass of γ and the verify of a token tree of each size in `TREE_SIZES`,
-each inside one jitted loop (no dispatch in the timing). The result is written to
+each inside one jitted loop (no dispatch in the timing), in interleaved rounds of which each pass
+keeps its fastest. Costs measured while other processes kept this process's cores busy are marked so, and
+the next process to need them measures again (up to `BUSY_TRIES` in a row). The result is written to
 `<cache root>/calibration/<key>.json`, keyed on the machine (processor, usable cores, backend and
 device, jax and jaxlib, the few-row kernel's switch) and the model's config (shapes, dtype and the
 drafter's skip, γ and draft head): a change of any of them measures again.
@@ -16,6 +18,7 @@ drafter's skip, γ and draft head): a change of any of them measures again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -24,6 +27,7 @@ import os
 import platform
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -42,14 +46,18 @@ from s3d_jax.speedup import Policy, choose_policy
 ENV_SWITCH = "S3D_JAX_CALIBRATE"
 TREE_SIZES = (4, 8, 16, 24)  # the policy's candidate trees are 4, 8 and 16; 24 bounds their branch-alone passes (N + γ slots)
 CONTEXT = 256  # cache positions filled while timing: a typical chat turn
-REPEATS = 10
-BUSY_RATIO = 1.3  # a plain step timed first and last differing by more: the machine was busy
+REPEATS = 5  # passes per timed run
+ROUNDS = 4  # timed runs of each pass, interleaved with the others'; a pass costs its fastest
+BUSY_CORES = 0.25  # other processes' average use of this process's cores above which the timings are not kept
+BUSY_RATIO = 1.3  # where that use cannot be read: the plain step's fastest and slowest rounds differing by more
+BUSY_TRIES = 3  # calibrations in a row that find the machine busy before their costs stay cached as they are
 
 
-def pass_ms(model, pass_fn, context: int = 256, repeats: int = 20) -> float:
-    """Milliseconds of one `pass_fn(params, cache, x_n)` over a cache filled to `context` positions,
-    timed inside one jitted loop (no dispatch overhead). The input token changes every iteration,
-    so XLA cannot hoist the pass out of the loop."""
+def pass_timer(model, pass_fn, context: int = 256, repeats: int = 20):
+    """A compiled, warmed-up `pass_fn(params, cache, x_n)` over a cache filled to `context` positions;
+    each call of the returned function times `repeats` passes inside one jitted loop (no dispatch
+    overhead) and returns milliseconds per pass. The input token changes every iteration, so XLA
+    cannot hoist the pass out of the loop."""
     cache = KVCache.zeros(model.config, 1, max(512, context + 16)).replace(lengths=jnp.asarray([context], jnp.int32))
 
     def loop(params, cache, few_row_kernel):
@@ -62,49 +70,113 @@ def pass_ms(model, pass_fn, context: int = 256, repeats: int = 20) -> float:
     # Compiled as the decode loop is; not kept in its cache, since `loop` closes over `pass_fn`.
     fn, _ = compile_ahead(jax.jit(loop, static_argnames="few_row_kernel"), model.params, cache, few_row_passes=True)
     jax.block_until_ready(fn(model.params, cache))  # warm up
-    start = time.perf_counter()
-    jax.block_until_ready(fn(model.params, cache))
-    return (time.perf_counter() - start) / repeats * 1e3
+
+    def timed() -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(fn(model.params, cache))
+        return (time.perf_counter() - start) / repeats * 1e3
+
+    return timed
 
 
-def verify_ms(model, tokens: int, **timing) -> float:
+def pass_ms(model, pass_fn, **timing) -> float:
+    """Milliseconds of one `pass_fn` (`pass_timer`), timed once."""
+    return pass_timer(model, pass_fn, **timing)()
+
+
+def verify_pass(model, tokens: int):
     """A full-model pass over `tokens` tokens (1 is a plain decoding step)."""
     drafts = jnp.zeros((1, tokens - 1), jnp.int32)
-    return pass_ms(model, lambda p, c, x_n: verify(p, model.config, c, x_n, drafts)[0], **timing)
+    return lambda p, c, x_n: verify(p, model.config, c, x_n, drafts)[0]
 
 
-def draft_ms(model, skip, gamma: int, **timing) -> float:
+def draft_pass(model, skip, gamma: int):
     """One S3D draft pass of `gamma` tokens through the layers outside `skip`, its head also scoring a
     context as long as the cache, as in decoding."""
     plan = Plan.make(model.config, "s3d", gamma, skip)
 
-    def draft_pass(p, c, x_n):
+    def run(p, c, x_n):
         context = (x_n[:, None] + jnp.arange(c.max_len)) % model.config.vocab_size  # distinct ids, as a real context gathers
         return draft_s3d(p, model.config, plan, c, x_n, jax.random.key(0), context)[1]
 
-    return pass_ms(model, draft_pass, **timing)
+    return run
 
 
-def tree_verify_ms(model, size: int, gamma: int, **timing) -> float:
+def tree_pass(model, size: int, gamma: int):
     """Building a tree of `size` nodes from γ draft distributions, and its full-model verify pass."""
     config = model.config
     logits = jax.random.normal(jax.random.key(0), (1, gamma, config.vocab_size))
     if config.mask_token_id is not None:
         logits = logits.at[..., config.mask_token_id].set(-jnp.inf)
 
-    def build_and_verify(p, c, x_n):
+    def run(p, c, x_n):
         # Shifted by x_n (softmax ignores a shift), so XLA cannot fold the tree's top-k into a constant.
         nodes = tree.build(x_n, logits + x_n[:, None, None].astype(jnp.float32), size)
         return tree.verify(p, config, c, nodes, gamma)[0]
 
-    return pass_ms(model, build_and_verify, **timing)
+    return run
+
+
+def verify_ms(model, tokens: int, **timing) -> float:
+    return pass_ms(model, verify_pass(model, tokens), **timing)
+
+
+def draft_ms(model, skip, gamma: int, **timing) -> float:
+    return pass_ms(model, draft_pass(model, skip, gamma), **timing)
+
+
+def tree_verify_ms(model, size: int, gamma: int, **timing) -> float:
+    return pass_ms(model, tree_pass(model, size, gamma), **timing)
+
+
+def time_passes(model, gamma: int) -> dict:
+    """Milliseconds per round of each pass the policy weighs: `step`, `verify` (γ+1 tokens), `draft` (γ)
+    and each tree of `TREE_SIZES`. Everything is compiled first, then the passes are timed in turn,
+    `ROUNDS` times over, so that a disturbance of a second or two slows one round of each, not all
+    rounds of one."""
+    c = model.config
+    passes = {"step": verify_pass(model, 1), "verify": verify_pass(model, gamma + 1), "draft": draft_pass(model, c.draft_skip, gamma),
+              **{n: tree_pass(model, n, gamma) for n in TREE_SIZES}}
+    timers = {name: pass_timer(model, fn, context=CONTEXT, repeats=REPEATS) for name, fn in passes.items()}
+    rounds = {name: [] for name in timers}
+    for _ in range(ROUNDS):
+        for name, timer in timers.items():
+            rounds[name].append(timer())
+    return rounds
+
+
+def _busy_ticks(cores) -> int | None:
+    """Clock ticks that `cores` have spent busy since boot (Linux's /proc/stat), or None where unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            rows = [line.split() for line in f if line.startswith("cpu") and line[3].isdigit()]
+        # user nice system idle iowait irq softirq steal: busy is all but idle and iowait
+        return sum(sum(map(int, row[1:9])) - int(row[4]) - int(row[5]) for row in rows if int(row[0][3:]) in cores)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@contextlib.contextmanager
+def other_load():
+    """Measures how many of this process's cores other processes kept busy, on average, while the block
+    ran: `with other_load() as load: ...; load.cores` (None where the kernel does not say)."""
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    load = types.SimpleNamespace(cores=None)
+    ticks, own, start = _busy_ticks(cores), os.times(), time.perf_counter()
+    yield load
+    ticks_after, own_after, wall = _busy_ticks(cores), os.times(), time.perf_counter() - start
+    if ticks is not None and ticks_after is not None and wall > 0:
+        busy = (ticks_after - ticks) / os.sysconf("SC_CLK_TCK")
+        mine = own_after.user + own_after.system - own.user - own.system
+        load.cores = max(busy - mine, 0.0) / wall
 
 
 @dataclasses.dataclass(frozen=True)
 class PassCosts:
     """Milliseconds of each pass on this machine, for one model: `step` (one token through the full
     model), `verify` (γ+1 tokens), `draft` (one S3D pass of γ), `trees[N]` (build and verify a tree of N
-    nodes; an N the calibration did not time is interpolated by rows), and the seconds it took."""
+    nodes; an N the calibration did not time is interpolated by rows), the seconds it took, whether the
+    machine was busy with other work meanwhile, and how many calibrations in a row found it so."""
 
     step: float
     verify: float
@@ -113,6 +185,8 @@ class PassCosts:
     gamma: int
     seconds: float
     machine: str
+    busy: bool = False
+    tries: int = 1
 
     def tree(self, nodes: int) -> float:
         points = sorted({0: self.step, **self.trees}.items())
@@ -180,24 +254,28 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
         raise ValueError("calibration times S3D's draft pass: the model needs a mask row and a drafter (s3d_jax.load(..., drafter=...))")
     path = cache_file(model)
     known = None if force else _read(path)
-    if known is not None:
+    if known is not None and not (known.busy and known.tries < BUSY_TRIES and path not in _measured_here):
         return known
     if not quiet:
         print("s3d_jax: calibrating pass costs for this machine and model (once; S3D_JAX_CALIBRATE=0 skips) ...", file=sys.stderr)
     start = time.perf_counter()
     gamma = c.draft_gamma or DEFAULT_GAMMA
-    timed = dict(context=CONTEXT, repeats=REPEATS)
-    step = verify_ms(model, 1, **timed)
-    costs = PassCosts(step=step, verify=verify_ms(model, gamma + 1, **timed), draft=draft_ms(model, c.draft_skip, gamma, **timed),
-                      trees={n: tree_verify_ms(model, n, gamma, **timed) for n in TREE_SIZES}, gamma=gamma,
-                      seconds=0.0, machine=machine())
-    # The step again, last: a machine busy with other work times the passes unevenly, and the costs
-    # would stay cached; a large change between the two is said, not hidden.
-    step_again = verify_ms(model, 1, **timed)
-    costs = dataclasses.replace(costs, seconds=time.perf_counter() - start)
-    if max(step, step_again) > BUSY_RATIO * min(step, step_again) and not quiet:
-        print(f"s3d_jax: warning: a plain step took {step:.1f} ms, then {step_again:.1f} ms: the machine looks busy, so these costs "
-              "may be off; run s3d_jax.calibrate(model) again when it is quiet", file=sys.stderr)
+    with other_load() as load:
+        rounds = time_passes(model, gamma)
+    fastest = {name: min(ms) for name, ms in rounds.items()}
+    steps = rounds["step"]
+    busy = load.cores > BUSY_CORES if load.cores is not None else max(steps) > BUSY_RATIO * min(steps)
+    costs = PassCosts(step=fastest["step"], verify=fastest["verify"], draft=fastest["draft"],
+                      trees={n: fastest[n] for n in TREE_SIZES}, gamma=gamma, seconds=time.perf_counter() - start, machine=machine(),
+                      busy=busy, tries=known.tries + 1 if known is not None and known.busy and busy else 1)
+    if busy and not quiet:
+        what = f"other processes kept {load.cores:.1f} of its cores busy" if load.cores is not None else \
+            f"a plain step took {min(steps):.1f} to {max(steps):.1f} ms"
+        print(f"s3d_jax: warning: the machine looks busy ({what}), so these costs may be off; the next "
+              f"{BUSY_TRIES - costs.tries} processes to need them measure again (or run s3d_jax.calibrate(model) when it is quiet)"
+              if costs.tries < BUSY_TRIES else f"s3d_jax: warning: the machine looked busy in {costs.tries} calibrations in a row "
+              f"({what}); these costs stay until s3d_jax.calibrate(model) runs", file=sys.stderr)
+    _measured_here.add(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(dataclasses.asdict(costs), indent=1))
@@ -208,6 +286,7 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
     return costs
 
 
+_measured_here: set = set()  # cost files this process measured: a busy one is measured again by the next process, not by this one
 _costs_read: dict = {}  # cost file -> ((mtime, size), costs): decode parses the file again only when it changed
 
 

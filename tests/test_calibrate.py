@@ -38,13 +38,14 @@ def model():
 
 
 def test_calibration_measures_once_per_machine_and_model(model, monkeypatch, capsys):
+    monkeypatch.setattr(calibration, "_busy_ticks", lambda cores: 0)  # the other test process is not a busy machine here
     first = calibration.calibrate(model, force=False)
     assert first.step > 0 and first.draft > 0 and set(first.trees) == set(calibration.TREE_SIZES)
     assert "calibrated in" in capsys.readouterr().err  # the command lines show that it ran, and how long it took
     path = calibration.cache_file(model)
     assert path.is_file()
     timed = []
-    monkeypatch.setattr(calibration, "verify_ms", lambda *a, **k: timed.append(a) or 1.0)
+    monkeypatch.setattr(calibration, "time_passes", lambda *a: timed.append(a) or rounds(step=(1.0,) * 4)(*a))
     assert calibration.calibrate(model, force=False) == first and not timed  # cached: nothing measured
     again = calibration.calibrate(model)  # forced: measured again
     assert timed and again.step == 1.0 and calibration.calibrate(model, force=False) == again
@@ -146,10 +147,56 @@ def test_predict_shape_prints_costs_and_the_policy(monkeypatch, capsys):
     assert "at the shipped drafter's acceptance: calibrated policy" in out
 
 
-def test_a_busy_machine_is_said(model, monkeypatch, capsys):
-    steps = iter([10.0, 20.0])
-    monkeypatch.setattr(calibration, "verify_ms", lambda m, tokens, **k: next(steps) if tokens == 1 else 12.0)
-    monkeypatch.setattr(calibration, "draft_ms", lambda *a, **k: 5.0)
-    monkeypatch.setattr(calibration, "tree_verify_ms", lambda *a, **k: 15.0)
+def rounds(step=(10.0,) * 4, other=12.0):
+    """Injected `time_passes`: each pass's milliseconds in each of four rounds."""
+    return lambda model, gamma: {"step": list(step), "verify": [other] * 4, "draft": [5.0] * 4,
+                                 **{n: [other + n] * 4 for n in calibration.TREE_SIZES}}
+
+
+def test_each_pass_costs_its_fastest_round(model, monkeypatch):
+    monkeypatch.setattr(calibration, "time_passes", rounds(step=(14.0, 10.0, 11.0, 10.5)))
+    measured = calibration.calibrate(model, quiet=True)
+    assert measured.step == 10.0 and measured.verify == 12.0 and measured.draft == 5.0 and measured.trees[8] == 20.0
+
+
+def test_costs_measured_on_a_busy_machine_are_measured_again_by_the_next_processes(model, monkeypatch, capsys):
+    monkeypatch.setattr(calibration, "time_passes", rounds())
+    other = {"ticks": 0}
+
+    def ticks(cores):  # other processes: 150 s of CPU between two readings of a far shorter block
+        other["ticks"] += 150 * 100
+        return other["ticks"]
+
+    monkeypatch.setattr(calibration, "_busy_ticks", ticks)
+    path = calibration.cache_file(model)
+    first = calibration.calibrate(model)
+    assert first.busy and first.tries == 1 and path.is_file()
+    assert "the machine looks busy (other processes kept" in capsys.readouterr().err
+    assert calibration.calibrate(model, force=False) == first  # the process that measured them keeps them
+    for tries in (2, 3):  # each new process measures again, while the machine stays busy
+        calibration._measured_here.clear()
+        assert calibration.calibrate(model, force=False).tries == tries
+    assert "stay until" in capsys.readouterr().err
+    calibration._measured_here.clear()
+    assert calibration.calibrate(model, force=False).tries == 3  # then they stay
+    monkeypatch.setattr(calibration, "_busy_ticks", lambda cores: 0)  # a quiet calibration replaces them
+    capsys.readouterr()
+    quiet = calibration.calibrate(model)
+    assert not quiet.busy and quiet.tries == 1 and "busy" not in capsys.readouterr().err
+    assert calibration.calibrate(model, force=False) == quiet
+
+
+def test_without_the_kernel_s_counts_a_busy_machine_shows_in_the_step_s_rounds(model, monkeypatch, capsys):
+    monkeypatch.setattr(calibration, "_busy_ticks", lambda cores: None)
+    monkeypatch.setattr(calibration, "time_passes", rounds(step=(10.0, 20.0, 10.0, 10.0)))
     assert calibration.calibrate(model).step == 10.0
-    assert "the machine looks busy" in capsys.readouterr().err
+    assert "a plain step took 10.0 to 20.0 ms" in capsys.readouterr().err
+    monkeypatch.setattr(calibration, "time_passes", rounds(step=(10.0, 11.0, 10.0, 10.0)))
+    calibration.calibrate(model)
+    assert "busy" not in capsys.readouterr().err
+
+
+def test_other_load_reads_this_machine(model):
+    with calibration.other_load() as load:
+        sum(i * i for i in range(200_000))  # this process's own work is not another's
+    assert load.cores is None or 0.0 <= load.cores < 2.0
