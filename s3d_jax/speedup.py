@@ -150,9 +150,9 @@ def tree_analysis(ranks: list[np.ndarray], sizes) -> dict:
 def replay(outcomes: list[dict], min_certainty: float | None, costs: dict, lookup: bool = True) -> dict:
     """The decode loop's choice at each iteration, replayed along the replies (batch 1): the tokens after
     each reply's first, their cost in plain steps, and how many iterations of each kind
-    (`drafted`, `branch`, `plain`). `min_certainty` None is the oracle, `NEVER` never drafts; without
+    (`drafted`, `branch`, `plain`) ran and how many tokens they emitted. `min_certainty` None is the oracle, `NEVER` never drafts; without
     `lookup` the context branch never runs."""
-    tokens, cost, kinds = 0, 0.0, collections.Counter()
+    tokens, cost, kinds, emitted_by_kind = 0, 0.0, collections.Counter(), collections.Counter()
     for reply in outcomes:
         n, end = 0, len(reply["certainty"])
         while n < end:
@@ -164,7 +164,9 @@ def replay(outcomes: list[dict], min_certainty: float | None, costs: dict, looku
             emitted = min(int(emitted), end - n)  # the reply ends there
             n, tokens, cost = n + emitted, tokens + emitted, cost + costs[kind]
             kinds[kind] += 1
-    return {"tokens": tokens, "cost": cost, "kinds": {kind: kinds[kind] for kind in ("drafted", "branch", "plain")}}
+            emitted_by_kind[kind] += emitted
+    return {"tokens": tokens, "cost": cost, "kinds": {kind: kinds[kind] for kind in ("drafted", "branch", "plain")},
+            "emitted": {kind: emitted_by_kind[kind] for kind in ("drafted", "branch", "plain")}}
 
 
 NEVER = math.inf  # a `min_certainty` no certainty reaches: never draft
@@ -202,13 +204,23 @@ class Policy:
         return f"calibrated policy: {what}; predicted {self.predicted_speedup:.2f}x (pass costs in plain steps: {costs})"
 
 
+# Predictions this close are a tie: quiet calibrations differ by a few percent, and the profile is
+# one sample of text. On a tie the policy drafts: measured, it was the faster one every time the
+# replay called a tie (docs/experiments.md, "A calibration that a busy machine cannot skew").
+TIE = 0.02
+
+
 def choose_policy(costs: dict, profile: dict) -> Policy:
     """The tree size, gate and context branch whose replay over the drafter's measured outcomes emits
     the most tokens per unit of plain-step time. `costs`: {"drafted": {N: steps}, "branch": {N: steps}}
     (`calibration.PassCosts.in_steps`); `profile`: {N: outcomes of a tree of N} (`iteration_outcomes`).
-    Plain decoding (1.0) is the baseline; on equal predictions the policy that drafts less wins (a gate
-    that the profile never saw open must not be taken for a free one)."""
-    best = Policy(0, NEVER, False, 1.0, {"plain": 1.0})
+    Plain decoding (1.0) is the baseline, and no policy predicted below it is chosen. Among the
+    drafting policies, and among the others, on equal predictions the one that drafts less wins (a
+    gate that the profile never saw open must not be taken for a free one); the best drafting policy
+    wins over a better policy that never drafts when it predicts within `TIE` of it and its drafted
+    iterations repay their cost within `TIE` (emit as many tokens as the plain steps of their time)."""
+    best = {False: Policy(0, NEVER, False, 1.0, {"plain": 1.0}), True: None}  # by whether it drafts
+    repays = False  # whether the best drafting policy's drafted iterations repay their cost
     for size in sorted(profile):
         if size not in costs["drafted"]:
             continue
@@ -219,6 +231,14 @@ def choose_policy(costs: dict, profile: dict) -> Policy:
                     continue  # that is plain decoding, the baseline
                 replayed = replay(profile[size], gate, kinds, lookup)
                 speedup = replayed["tokens"] / max(replayed["cost"], 1e-9)
-                if speedup > best.predicted_speedup * (1 + 1e-9):
-                    best = Policy(size, gate, lookup, speedup, kinds)
-    return best
+                known = best[gate != NEVER]
+                if known is None or speedup > known.predicted_speedup * (1 + 1e-9):
+                    best[gate != NEVER] = Policy(size, gate, lookup, speedup, kinds)
+                    if gate != NEVER:
+                        drafted = replayed["kinds"]["drafted"]  # a gate the profile never saw open repays nothing
+                        repays = drafted > 0 and replayed["emitted"]["drafted"] >= drafted * kinds["drafted"] * (1 - TIE)
+    drafting, other = best[True], best[False]
+    if drafting is not None and repays and drafting.predicted_speedup > 1.0 and \
+            drafting.predicted_speedup >= other.predicted_speedup * (1 - TIE):
+        return drafting
+    return other

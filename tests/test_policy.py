@@ -4,7 +4,7 @@ choice itself, not the machine's timings."""
 import numpy as np
 import pytest
 
-from s3d_jax.speedup import NEVER, choose_policy, replay
+from s3d_jax.speedup import GATES, NEVER, TIE, choose_policy, replay
 
 REACH = {4: 8, 8: 12, 16: 20}  # a tree's slots with γ = 4: N + γ
 
@@ -71,3 +71,35 @@ def test_a_tree_size_without_costs_is_not_chosen():
 @pytest.mark.parametrize("cost", [1.0, 1.5, 2.5, 40.0])
 def test_the_policy_never_predicts_below_plain(cost):
     assert choose_policy(costs(cost), profile()).predicted_speedup >= 1.0
+
+
+def best_prediction(policy_costs, prof, drafting: bool) -> tuple[float, bool]:
+    """The replay's best prediction among the policies that draft (or among those that never do), and
+    whether that policy's drafted iterations emit as many tokens as plain steps would in their time."""
+    best = (0.0, False)
+    for size, outs in prof.items():
+        kinds = {"plain": 1.0, "drafted": policy_costs["drafted"][size], "branch": policy_costs["branch"][size]}
+        for lookup in (False, True):
+            for gate in GATES:
+                if (gate != NEVER) == drafting and (gate != NEVER or lookup):
+                    replayed = replay(outs, gate, kinds, lookup)
+                    drafted = replayed["kinds"]["drafted"]
+                    repays = drafted > 0 and replayed["emitted"]["drafted"] >= drafted * kinds["drafted"] * (1 - TIE)
+                    best = max(best, (replayed["tokens"] / replayed["cost"], repays), key=lambda b: b[0])
+    return best
+
+
+def test_a_near_tie_between_drafting_and_never_drafting_drafts():
+    prof, ties = profile(branch_share=0.3), 0
+    for drafted in np.linspace(1.2, 4.0, 29):
+        injected = costs(float(drafted), branch=1.3)
+        policy = choose_policy(injected, prof)
+        (drafting, repays), (never, _) = best_prediction(injected, prof, True), best_prediction(injected, prof, False)
+        assert policy.drafts == (repays and drafting > 1.0 and drafting >= never * (1 - TIE)), (drafted, drafting, never)
+        assert policy.predicted_speedup == pytest.approx(drafting if policy.drafts else max(never, 1.0))
+        ties += policy.drafts and drafting < never
+    assert ties  # the sweep crossed a tie that the drafting policy took
+    # A gate that opens rarely predicts within the tie of never drafting even where each drafted
+    # iteration loses: those are not ties to take.
+    rare = choose_policy(costs(30.0, branch=1.3), prof)
+    assert not rare.drafts and rare.lookup
