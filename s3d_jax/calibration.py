@@ -48,7 +48,7 @@ TREE_SIZES = (4, 8, 16, 24)  # the policy's candidate trees are 4, 8 and 16; 24 
 CONTEXT = 256  # cache positions filled while timing: a typical chat turn
 REPEATS = 5  # passes per timed run
 ROUNDS = 4  # timed runs of each pass, interleaved with the others'; a pass costs its fastest
-BUSY_CORES = 0.25  # other processes' average use of this process's cores above which the timings are not kept
+BUSY_CORES = 0.25  # other processes' average use of this process's cores while calibrating, above which the costs are marked busy
 BUSY_RATIO = 1.3  # where that use cannot be read: the plain step's fastest and slowest rounds differing by more
 BUSY_TRIES = 3  # calibrations in a row that find the machine busy before their costs stay cached as they are
 
