@@ -10,7 +10,8 @@ docs/design.md, "Drafting chosen from measured costs"). A calibration times a pl
 γ+1 tokens, one S3D draft pass of γ and the verify of a token tree of each size in `TREE_SIZES`,
 each inside one jitted loop (no dispatch in the timing), in interleaved rounds of which each pass
 keeps its fastest. Costs measured while other processes kept this process's cores busy are marked so, and
-the next process to need them measures again (up to `BUSY_TRIES` in a row). The result is written to
+the next process to need them measures again (up to `BUSY_TRIES` in a row, or
+`$S3D_JAX_CALIBRATE_TRIES`; 1 keeps the first). The result is written to
 `<cache root>/calibration/<key>.json`, keyed on the machine (processor, usable cores, backend and
 device, jax and jaxlib, the few-row kernel's switch) and the model's config (shapes, dtype and the
 drafter's skip, γ and draft head): a change of any of them measures again.
@@ -50,7 +51,8 @@ REPEATS = 5  # passes per timed run
 ROUNDS = 4  # timed runs of each pass, interleaved with the others'; a pass costs its fastest
 BUSY_CORES = 0.25  # other processes' average use of this process's cores while calibrating, above which the costs are marked busy
 BUSY_RATIO = 1.3  # where that use cannot be read: the plain step's fastest and slowest rounds differing by more
-BUSY_TRIES = 3  # calibrations in a row that find the machine busy before their costs stay cached as they are
+ENV_TRIES = "S3D_JAX_CALIBRATE_TRIES"
+BUSY_TRIES = 3  # calibrations in a row that find the machine busy before their costs stay cached as they are ($S3D_JAX_CALIBRATE_TRIES)
 
 
 def pass_timer(model, pass_fn, context: int = 256, repeats: int = 20):
@@ -254,7 +256,8 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
         raise ValueError("calibration times S3D's draft pass: the model needs a mask row and a drafter (s3d_jax.load(..., drafter=...))")
     path = cache_file(model)
     known = None if force else _read(path)
-    if known is not None and not (known.busy and known.tries < BUSY_TRIES and path not in _measured_here):
+    tries = few_rows.env_setting(ENV_TRIES, BUSY_TRIES, 1)
+    if known is not None and not (known.busy and known.tries < tries and path not in _measured_here):
         return known
     if not quiet:
         print("s3d_jax: calibrating pass costs for this machine and model (once; S3D_JAX_CALIBRATE=0 skips) ...", file=sys.stderr)
@@ -272,8 +275,8 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
         what = f"other processes kept {load.cores:.1f} of its cores busy" if load.cores is not None else \
             f"a plain step took {min(steps):.1f} to {max(steps):.1f} ms"
         print(f"s3d_jax: warning: the machine looks busy ({what}), so these costs may be off; the next "
-              f"{BUSY_TRIES - costs.tries} processes to need them measure again (or run s3d_jax.calibrate(model) when it is quiet)"
-              if costs.tries < BUSY_TRIES else f"s3d_jax: warning: the machine looked busy in {costs.tries} calibrations in a row "
+              f"{tries - costs.tries} processes to need them measure again (or run s3d_jax.calibrate(model) when it is quiet)"
+              if costs.tries < tries else f"s3d_jax: warning: the machine looked busy in {costs.tries} calibrations in a row "
               f"({what}); these costs stay until s3d_jax.calibrate(model) runs", file=sys.stderr)
     _measured_here.add(path)
     path.parent.mkdir(parents=True, exist_ok=True)

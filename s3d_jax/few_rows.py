@@ -87,7 +87,8 @@ def switch(on: bool):
         _switch.reset(token)
 
 
-def _setting(name: str, default: int, minimum: int) -> int:
+def env_setting(name: str, default: int, minimum: int) -> int:
+    """A whole-number setting from the environment: `default` where unset."""
     value = os.environ.get(name)
     if value is None:
         return default
@@ -99,11 +100,11 @@ def _setting(name: str, default: int, minimum: int) -> int:
 def threads() -> int:
     """`S3D_JAX_FEW_ROW_THREADS`, else the CPUs this process may use, at most `DEFAULT_MAX_THREADS`."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return _setting(ENV_THREADS, max(1, min(DEFAULT_MAX_THREADS, usable)), 1)
+    return env_setting(ENV_THREADS, max(1, min(DEFAULT_MAX_THREADS, usable)), 1)
 
 
 def spin_microseconds() -> int:
-    return _setting(ENV_SPIN, DEFAULT_SPIN_MICROSECONDS, 0)
+    return env_setting(ENV_SPIN, DEFAULT_SPIN_MICROSECONDS, 0)
 
 
 def _compiler() -> list[str]:

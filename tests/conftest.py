@@ -14,6 +14,7 @@ import pytest
 
 from s3d_jax import compile_cache, decoding
 from s3d_jax.bundled import gguf_path
+from s3d_jax.calibration import ENV_TRIES as ENV_CALIBRATE_TRIES
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.convert import convert
 from s3d_jax.paths import ENV_CACHE
@@ -38,6 +39,9 @@ def pytest_configure(config):
         os.environ[_TEST_CACHE] = tempfile.mkdtemp(prefix="s3d_jax_tests-")
         config.stash[_owner] = os.environ[_TEST_CACHE]
     os.environ[ENV_CACHE] = os.environ[_TEST_CACHE]
+    # The test processes share the cores by design, so every calibration here finds the machine busy;
+    # measuring again in the next process would check nothing (tests/test_calibrate.py sets its own).
+    os.environ.setdefault(ENV_CALIBRATE_TRIES, "1")
     # The command lines the tests start already share compiled executables through JAX's persistent
     # cache in that directory; the test processes share them too, so a program compiled by one file
     # (the real model's loops, above all) is loaded by the next instead of compiled again.

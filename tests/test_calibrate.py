@@ -160,6 +160,7 @@ def test_each_pass_costs_its_fastest_round(model, monkeypatch):
 
 
 def test_costs_measured_on_a_busy_machine_are_measured_again_by_the_next_processes(model, monkeypatch, capsys):
+    monkeypatch.delenv(calibration.ENV_TRIES, raising=False)  # the default, three tries (the test run keeps its first)
     monkeypatch.setattr(calibration, "time_passes", rounds())
     other = {"ticks": 0}
 
@@ -184,6 +185,14 @@ def test_costs_measured_on_a_busy_machine_are_measured_again_by_the_next_process
     quiet = calibration.calibrate(model)
     assert not quiet.busy and quiet.tries == 1 and "busy" not in capsys.readouterr().err
     assert calibration.calibrate(model, force=False) == quiet
+    monkeypatch.setenv(calibration.ENV_TRIES, "1")  # a machine always shared: keep the first, busy or not
+    monkeypatch.setattr(calibration, "_busy_ticks", ticks)
+    assert calibration.calibrate(model).busy and "stay until" in capsys.readouterr().err
+    calibration._measured_here.clear()
+    assert calibration.calibrate(model, force=False).tries == 1
+    monkeypatch.setenv(calibration.ENV_TRIES, "0")
+    with pytest.raises(ValueError, match="S3D_JAX_CALIBRATE_TRIES"):
+        calibration.calibrate(model, force=False)
 
 
 def test_without_the_kernel_s_counts_a_busy_machine_shows_in_the_step_s_rounds(model, monkeypatch, capsys):

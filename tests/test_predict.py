@@ -144,9 +144,11 @@ def test_replay_counts_each_kind_of_iteration_and_its_cost():
              "branch": np.array([False, False, False, False, True, False]), "branch_k": np.array([0, 0, 0, 0, 1, 0])}
     costs = {"plain": 1.0, "drafted": 2.5, "branch": 2.0}
     # 0.9: n=0 drafts (4 tokens), n=4 is the branch alone (2 tokens, the reply ends there).
-    assert replay([reply], 0.9, costs) == {"tokens": 6, "cost": 4.5, "kinds": {"drafted": 1, "branch": 1, "plain": 0}}
+    assert replay([reply], 0.9, costs) == {"tokens": 6, "cost": 4.5, "kinds": {"drafted": 1, "branch": 1, "plain": 0},
+                                           "emitted": {"drafted": 4, "branch": 2, "plain": 0}}
     # 1.0: plain steps 0..3, then the branch.
-    assert replay([reply], 1.0, costs) == {"tokens": 6, "cost": 6.0, "kinds": {"drafted": 0, "branch": 1, "plain": 4}}
+    assert replay([reply], 1.0, costs) == {"tokens": 6, "cost": 6.0, "kinds": {"drafted": 0, "branch": 1, "plain": 4},
+                                           "emitted": {"drafted": 0, "branch": 2, "plain": 4}}
     # 0.0: n=0 drafts 4, n=4 branch 2.
     assert replay([reply], 0.0, costs)["kinds"] == {"drafted": 1, "branch": 1, "plain": 0}
     # The oracle drafts only where the tree emits more than it costs (4 > 2.5 at n=0).
