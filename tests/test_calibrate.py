@@ -2,6 +2,9 @@
 `decode` takes from it where the caller left the S3D fields open."""
 
 import dataclasses
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -205,7 +208,17 @@ def test_without_the_kernel_s_counts_a_busy_machine_shows_in_the_step_s_rounds(m
     assert "busy" not in capsys.readouterr().err
 
 
-def test_other_load_reads_this_machine(model):
-    with calibration.other_load() as load:
-        sum(i * i for i in range(200_000))  # this process's own work is not another's
-    assert load.cores is None or 0.0 <= load.cores < 2.0
+def test_other_load_counts_another_process():
+    # A process spinning beside a sleeping one: about a core of other load (the /proc/stat ticks are
+    # 10 ms, so the block lasts a second; the other test process may add its own).
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 4\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.5)
+        with calibration.other_load() as load:
+            time.sleep(1.0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    if load.cores is None:
+        pytest.skip("this system does not report CPU time per core (/proc/stat)")
+    assert load.cores > 0.5
