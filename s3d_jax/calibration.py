@@ -274,10 +274,11 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
     if busy and not quiet:
         what = f"other processes kept {load.cores:.1f} of its cores busy" if load.cores is not None else \
             f"a plain step took {min(steps):.1f} to {max(steps):.1f} ms"
-        print(f"s3d_jax: warning: the machine looks busy ({what}), so these costs may be off; the next "
-              f"{tries - costs.tries} processes to need them measure again (or run s3d_jax.calibrate(model) when it is quiet)"
-              if costs.tries < tries else f"s3d_jax: warning: the machine looked busy in {costs.tries} calibrations in a row "
-              f"({what}); these costs stay until s3d_jax.calibrate(model) runs", file=sys.stderr)
+        if costs.tries < tries:
+            then = f"the next {tries - costs.tries} processes to need them measure again (or run s3d_jax.calibrate(model) when it is quiet)"
+        else:
+            then = f"{costs.tries} calibrations in a row found it so, and these costs stay until s3d_jax.calibrate(model) runs"
+        print(f"s3d_jax: warning: the machine looks busy ({what}), so these costs may be off; {then}", file=sys.stderr)
     _measured_here.add(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

@@ -154,7 +154,7 @@ struct Int4Weight {
 constexpr int64_t kWeightRows = 8;    // weight rows read together
 // Rows of x per sweep over a float weight. With AVX-512's 32 vector registers the accumulators of 16
 // rows fit, and a 9-row pass (a tree of 4 with the context branch's 4 slots, and the root) reads each
-// weight once rather than in sweeps of 8 and 1: verifying that tree cost 2.0 plain steps, now 1.7.
+// weight once rather than in sweeps of 8 and 1: verifying that tree cost 2.0 plain steps, now 1.8.
 #if defined(__AVX512F__)
 constexpr int64_t kMaxRows = 16;
 #else

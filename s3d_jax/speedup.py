@@ -220,7 +220,6 @@ def choose_policy(costs: dict, profile: dict) -> Policy:
     wins over a better policy that never drafts when it predicts within `TIE` of it and its drafted
     iterations repay their cost within `TIE` (emit as many tokens as the plain steps of their time)."""
     best = {False: Policy(0, NEVER, False, 1.0, {"plain": 1.0}), True: None}  # by whether it drafts
-    repays = False  # whether the best drafting policy's drafted iterations repay their cost
     for size in sorted(profile):
         if size not in costs["drafted"]:
             continue
@@ -234,11 +233,10 @@ def choose_policy(costs: dict, profile: dict) -> Policy:
                 known = best[gate != NEVER]
                 if known is None or speedup > known.predicted_speedup * (1 + 1e-9):
                     best[gate != NEVER] = Policy(size, gate, lookup, speedup, kinds)
-                    if gate != NEVER:
-                        drafted = replayed["kinds"]["drafted"]  # a gate the profile never saw open repays nothing
-                        repays = drafted > 0 and replayed["emitted"]["drafted"] >= drafted * kinds["drafted"] * (1 - TIE)
     drafting, other = best[True], best[False]
-    if drafting is not None and repays and drafting.predicted_speedup > 1.0 and \
-            drafting.predicted_speedup >= other.predicted_speedup * (1 - TIE):
-        return drafting
-    return other
+    if drafting is None or drafting.predicted_speedup <= 1.0 or drafting.predicted_speedup < other.predicted_speedup * (1 - TIE):
+        return other
+    replayed = replay(profile[drafting.tree], drafting.min_certainty, drafting.costs, drafting.lookup)
+    drafted = replayed["kinds"]["drafted"]  # a gate the profile never saw open repays nothing
+    repays = drafted > 0 and replayed["emitted"]["drafted"] >= drafted * drafting.costs["drafted"] * (1 - TIE)
+    return drafting if repays else other
