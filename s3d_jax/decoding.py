@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import cpu, few_rows, tree
+from s3d_jax import cpu, few_rows, gpu, tree
 from s3d_jax.cache import KVCache, prompt_forward
 from s3d_jax.config import ModelConfig
 from s3d_jax.model import head_logits
@@ -225,12 +225,13 @@ def compile_ahead(fn, *args, few_row_passes: bool = False, **statics):
     """`fn` (jitted, taking a static `few_row_kernel`) lowered and compiled for the shapes and placements
     of `args`; returns (executable, seconds). Every decode executable is compiled here, so the few-row
     kernel's switch, the CPU options of passes of a few rows per sequence (`few_row_passes`: the loop
-    and the pass timings) and the heap trim apply alike to each."""
+    and the pass timings), a GPU's CUDA graphs (`gpu`) and the heap trim apply alike to each."""
     global _compiles
     few_rows.prepare()
     start = time.perf_counter()
-    options = cpu.few_row_compiler_options() if few_row_passes else None
-    executable = fn.lower(*args, few_row_kernel=kernel_applies(args), **statics).compile(options)
+    options = dict(cpu.few_row_compiler_options() or {}) if few_row_passes else {}
+    options |= gpu.loop_compiler_options()
+    executable = fn.lower(*args, few_row_kernel=kernel_applies(args), **statics).compile(options or None)
     seconds = time.perf_counter() - start
     _compiles += 1
     cpu.release_freed_memory()
@@ -241,7 +242,7 @@ def compiled(fn, *args, few_row_passes: bool = False, **statics):
     """`compile_ahead`, cached on the shapes and placements of `args`, the statics and the kernel's switch."""
     leaves, treedef = jax.tree.flatten(args)
     shapes = tuple((tuple(x.shape), x.dtype, placement(x)) for x in leaves)
-    key = (fn, tuple(sorted(statics.items())), treedef, shapes, few_row_passes, few_rows.switched_on())
+    key = (fn, tuple(sorted(statics.items())), treedef, shapes, few_row_passes, few_rows.switched_on(), gpu.applies())
     if key in _executables:
         _executables.move_to_end(key)
         return _executables[key], 0.0

@@ -77,10 +77,19 @@ def split_over_data(rows: dict, mesh: jax.sharding.Mesh, accum: int) -> dict:
 
 
 def maybe_initialize_distributed() -> None:
-    """Joins a multi-host cluster when the environment describes one."""
+    """Joins a multi-host cluster when the environment describes one: SLURM, Open MPI or Cloud TPU as
+    JAX detects them, or `JAX_COORDINATOR_ADDRESS` with `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` set by
+    any other launcher. Once per process; a process already joined stays as it is."""
     cluster = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES")
-    if any(os.environ.get(k) for k in cluster) and int(os.environ.get("SLURM_NTASKS", "2")) > 1:
-        jax.distributed.initialize()
+    if not any(os.environ.get(k) for k in cluster) or int(os.environ.get("SLURM_NTASKS", "2")) <= 1 or jax.distributed.is_initialized():
+        return
+    given = {}
+    for name, variable in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID")):
+        if os.environ.get(variable):
+            if not os.environ[variable].isdigit():
+                raise ConfigError(f"{variable}={os.environ[variable]!r}: expected a whole number")
+            given[name] = int(os.environ[variable])
+    jax.distributed.initialize(**given)
 
 
 # ---------------------------------------------------------------- decoding over a mesh

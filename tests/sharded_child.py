@@ -1,6 +1,10 @@
 """Run by tests/test_sharded_decoding.py in a process of its own with several simulated CPU devices
 (XLA_FLAGS=--xla_force_host_platform_device_count=N): decodes on one device, then over each mesh,
-and prints what matched as one JSON line. A model directory (argv[1]) or a family of tiny random models."""
+and prints what matched as one JSON line. A model directory (argv[1]) or a family of tiny random models.
+
+With `"outputs": true` it prints the tokens instead: on one device (`meshes` empty), or as one of
+several processes (`"processes"`) that join through `jax.distributed` and decode over one mesh of all
+their devices, the checkpoint saved beforehand by the one-device run."""
 
 import json
 import sys
@@ -10,7 +14,7 @@ import numpy as np
 from reference import tiny_model
 
 import s3d_jax
-from s3d_jax import checkpoint, quant
+from s3d_jax import checkpoint, quant, sharding
 
 # Families: heads and key/value heads chosen so that some mesh sizes divide them and others do not.
 FAMILIES = {
@@ -44,6 +48,13 @@ def per_device_bytes(params) -> list[int]:
 
 def main():
     spec = json.loads(sys.argv[1])
+    sharding.maybe_initialize_distributed()  # before anything touches a device, as the command lines do
+    if spec.get("processes"):
+        assert jax.process_count() == spec["processes"], jax.process_count()
+        methods = {k: METHODS[k] for k in spec["methods"]}
+        print(json.dumps({n: outputs(s3d_jax.load(spec["tmp"], mesh=f"model={n}"), PROMPTS, spec["new_tokens"], methods)
+                          for n in spec["meshes"]}))
+        return
     if spec.get("model_dir"):
         load = dict(path=spec["model_dir"], drafter=spec.get("drafter"))
         one = s3d_jax.load(**load)
@@ -58,6 +69,9 @@ def main():
         load, prompts = dict(path=str(path), drafter=None), PROMPTS
         methods = {k: METHODS[k] for k in spec.get("methods", METHODS)}
     reference = outputs(one, prompts, spec["new_tokens"], methods)
+    if spec.get("outputs"):
+        print(json.dumps({1: reference}))
+        return
     report = {}
     for n in spec["meshes"]:
         try:

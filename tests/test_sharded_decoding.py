@@ -6,6 +6,7 @@ Each case runs `sharded_child.py` in a process of its own, started with the devi
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,13 +23,27 @@ from s3d_jax.shapes import shape_config
 HERE = Path(__file__).parent
 
 
-def run_child(spec: dict, devices: int) -> dict:
+def child_env(devices: int, **extra) -> dict:
     # S3D's fixed defaults: a calibration would time the sharded passes, a minute that checks nothing here.
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "S3D_JAX_CALIBRATE": "0"}
-    result = subprocess.run([sys.executable, str(HERE / "sharded_child.py"), json.dumps(spec)], capture_output=True, text=True,
-                            env=env, cwd=HERE, timeout=1800)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {int(k): v for k, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "S3D_JAX_CALIBRATE": "0", **extra}
+
+
+def start_child(spec: dict, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(HERE / "sharded_child.py"), json.dumps(spec)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=HERE)
+
+
+def child_report(child: subprocess.Popen) -> dict:
+    try:
+        stdout, stderr = child.communicate(timeout=1800)
+    finally:
+        child.kill()
+    assert child.returncode == 0, stderr[-3000:]
+    return {int(k): v for k, v in json.loads(stdout.strip().splitlines()[-1]).items()}
+
+
+def run_child(spec: dict, devices: int) -> dict:
+    return child_report(start_child(spec, child_env(devices)))
 
 
 @pytest.mark.parametrize(("family", "methods", "divides", "refused"), [
@@ -59,6 +74,26 @@ def test_bundled_model_with_its_drafter_decodes_over_three_devices(smollm2_dir):
     assert report["differ"] == [], report  # plain greedy and S3D at its calibrated policy, token for token
     # 1/3 of the weights and of each adapter's large factor; the norms and the adapters' rank-sized factors are whole.
     assert max(report["bytes"]) <= report["total"] / 3 * 1.06
+
+
+def test_two_processes_decode_over_one_mesh_as_one_device(tmp_path):
+    """Two processes of two devices each join through `jax.distributed` (`JAX_COORDINATOR_ADDRESS`,
+    `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`), as two hosts would, and decode over a mesh of all four:
+    each gets every method's tokens equal to one device's."""
+    spec = {"family": "llama", "tmp": str(tmp_path / "llama"), "meshes": [], "new_tokens": 12, "outputs": True,
+            "methods": ["ar", "s3d_tree", "sampled"]}
+    reference = run_child(spec, devices=1)[1]  # and saves the checkpoint the two processes load
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2"}
+    children = [start_child({**spec, "meshes": [4], "processes": 2}, child_env(2, **cluster, JAX_PROCESS_ID=str(i))) for i in range(2)]
+    try:
+        reports = [child_report(child) for child in children]
+    finally:  # one that failed leaves the other waiting for its peer
+        for child in children:
+            child.kill()
+    assert [report[4] for report in reports] == [reference, reference]
 
 
 def test_an_8b_model_is_split_into_equal_shares():

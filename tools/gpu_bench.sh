@@ -36,6 +36,9 @@ mkdir -p "$OUT"
 python3 -c "import jax; d = jax.devices()[0]; print('device:', d.device_kind, d.platform)"
 python3 tools/bench_decode.py --skip-hf --prompts 8 --max-new-tokens 256 --trees 0 8 16 32 64 --out "$OUT" --quiet \
   | tee "$OUT/decode.txt"
+# The same without the decode loop recorded as CUDA graphs (s3d_jax/gpu.py), for the difference they make.
+S3D_JAX_CUDA_GRAPHS=0 python3 tools/bench_decode.py --skip-hf --prompts 8 --max-new-tokens 256 --trees 0 8 --out "$OUT/no_graphs" --quiet \
+  | tee "$OUT/decode_no_graphs.txt"
 # Float32 runs every contraction at full float32 precision, which keeps S3D token-exact; bfloat16 is
 # the speed setting (exactness there is reported by the tables' "output equals plain" columns).
 python3 tools/bench_decode.py --skip-hf --dtype bfloat16 --prompts 8 --max-new-tokens 256 --trees 0 8 16 --out "$OUT/bf16" --quiet \
@@ -62,5 +65,5 @@ python3 -m s3d_jax.bench --dtype bfloat16 --suite mt_bench,humaneval,news --limi
 
 echo
 echo "=== summary ($OUT) ==="
-grep -E "^\| s3d_jax|^\| (plain|s3d draft|verify)" "$OUT/decode.txt" "$OUT/decode_bf16.txt" || true
+grep -E "^\| s3d_jax|^\| (plain|s3d draft|verify)" "$OUT/decode.txt" "$OUT/decode_no_graphs.txt" "$OUT/decode_bf16.txt" || true
 grep -E "^\| (mt_bench|humaneval|news) \| " "$OUT/bench.txt" "$OUT/bench_shipped.txt" "$OUT/bench_shipped_always_draft.txt" "$OUT/bench_shipped_bf16.txt" || true
