@@ -160,7 +160,7 @@ constexpr int64_t kWeightRows = 8;    // weight rows read together
 // A block of weight rows is prefetched this many blocks before its use. A block reads short runs of
 // 8 rows (a thread's share of each), which the hardware prefetcher finds too late; one block ahead
 // is too close to hide the memory's latency. Two made verify of 5 tokens, a draft of 4 and a tree
-// of 4 each 5-9% faster, and left a one-row step as it was (docs/cpu.md, "Rows per sweep").
+// of 4 each 5-9% faster, and left a one-row step as it was (docs/cpu.md, "Prefetch").
 constexpr int64_t kPrefetchBlocks = 2;
 // Rows of x per sweep over a float weight. With AVX-512's 32 vector registers the accumulators of 16
 // rows fit, and a 9-row pass (a tree of 4 with the context branch's 4 slots, and the root) reads each
