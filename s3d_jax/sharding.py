@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from s3d_jax import few_rows
 from s3d_jax.config import ConfigError, ModelConfig
 
 # Preferred axes per parameter, by the tail of its path: "fsdp" shards over the data axis when FSDP is on.
@@ -83,12 +84,9 @@ def maybe_initialize_distributed() -> None:
     cluster = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES")
     if not any(os.environ.get(k) for k in cluster) or int(os.environ.get("SLURM_NTASKS", "2")) <= 1 or jax.distributed.is_initialized():
         return
-    given = {}
-    for name, variable in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID")):
-        if os.environ.get(variable):
-            if not os.environ[variable].isdigit():
-                raise ConfigError(f"{variable}={os.environ[variable]!r}: expected a whole number")
-            given[name] = int(os.environ[variable])
+    given = {name: few_rows.env_setting(variable, None, minimum)
+             for name, variable, minimum in (("num_processes", "JAX_NUM_PROCESSES", 1), ("process_id", "JAX_PROCESS_ID", 0))
+             if os.environ.get(variable)}
     jax.distributed.initialize(**given)
 
 
