@@ -32,8 +32,9 @@ from s3d_jax.model import abstract_params, cast_dtype, cast_params
 
 CONFIG_FILE = "s3d_config.json"
 PARAMS_DIR = "params"
-# Version of the directory's layout, stored in CONFIG_FILE. 2: vocabulary tables are [D, V] and padded.
-FORMAT = 2
+# Version of the directory's layout, stored in CONFIG_FILE. 2: vocabulary tables are [D, V] and padded;
+# 3: q, k, v and gate, up fused (`model`).
+FORMAT = 3
 
 
 class CheckpointError(ValueError):

@@ -3,7 +3,7 @@
 
     <name>.safetensors
       mask_row            [D]       the trained `<M>` embedding
-      lora/<path>/{a,b}             draft-only LoRA adapters of the draft layers
+      lora/<path>/{a,b}             draft-only LoRA adapters of the draft layers, one per (fused) projection
       vocab_ranking       [R] int32 the tokens by frequency in the training targets, most frequent first
       metadata (JSON)     format, skip, gamma, lora_rank, draft_vocab_size, tree (the default node budget, 0: the
                           chain), base model identity, tokenizer hash, and optionally the acceptance profile:
@@ -35,7 +35,7 @@ from s3d_jax.config import ModelConfig, validate_skip
 from s3d_jax.model import abstract_params
 from s3d_jax.options import check_int
 
-FORMAT = 1
+FORMAT = 2  # 1: one adapter per projection, before q, k, v and gate, up were fused (read, and fused, by `load_file`)
 SUFFIX = ".safetensors"
 # What must agree between a drafter and the model it is applied to.
 BASE_FIELDS = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mask_token_id")
@@ -154,9 +154,11 @@ def load_file(path: str | os.PathLike) -> Drafter:
         raise DrafterError(f"{path} is a safetensors file but not an s3d_jax drafter (no s3d_drafter metadata)")
     try:
         meta = json.loads(meta_text)
-        if meta["format"] != FORMAT:
-            raise DrafterError(f"{path} holds drafter format {meta['format']}, and this s3d_jax reads format {FORMAT}")
+        if meta["format"] not in (1, FORMAT):
+            raise DrafterError(f"{path} holds drafter format {meta['format']}, and this s3d_jax reads formats 1 and {FORMAT}")
         lora = {tuple(k.split("/")[1:]): v for k, v in tensors.items() if k.startswith("lora/")}
+        if meta["format"] == 1:
+            lora = fuse_adapters(lora)
         return Drafter(tuple(meta["skip"]), int(meta["gamma"]), int(meta["lora_rank"]), tensors["mask_row"], lora,
                        tensors.get("vocab_ranking"), int(meta["draft_vocab_size"]), meta["base"], meta["tokenizer"],
                        int(meta.get("tree", 0)), read_profile(meta.get("profile")))  # older files record no tree or profile
@@ -164,6 +166,30 @@ def load_file(path: str | os.PathLike) -> Drafter:
         if isinstance(e, DrafterError):
             raise
         raise DrafterError(f"{path} is not a valid drafter file: {type(e).__name__}: {e}") from None
+
+
+# Format 1's adapters, by the fused projection that now holds them (`model`).
+_FUSED_ADAPTERS = {("attn", "qkv_lora"): ("q_lora", "k_lora", "v_lora"), ("mlp", "gate_up_lora"): ("gate_lora", "up_lora")}
+
+
+def fuse_adapters(lora: dict) -> dict:
+    """Format 1's separate adapters as the fused projections' (`model.DraftLoRA`): the parts' A factors
+    side by side, and their B factors one per output slot (q's `[r, H, E]` as G slots `[r, K, E]`)."""
+    separate = {part for parts in _FUSED_ADAPTERS.values() for part in parts}
+    out = {k: v for k, v in lora.items() if k[2] not in separate}
+    for layer in sorted({k[0] for k in lora}):
+        for (module, fused), parts in _FUSED_ADAPTERS.items():
+            a = [lora[(layer, module, part, "a")] for part in parts]
+            b = [lora[(layer, module, part, "b")] for part in parts]
+            if fused == "qkv_lora":  # [r, H, E], [r, K, E] x2 -> [G + 2, r, K, E]
+                rank, K, E = b[1].shape
+                q = b[0].reshape(rank, K, -1, E).transpose(2, 0, 1, 3)
+                slots = np.concatenate([q, b[1][None], b[2][None]])
+            else:  # [r, F] x2 -> [2, r, F]
+                slots = np.stack(b)
+            out[(layer, module, fused, "a")] = np.concatenate(a, axis=-1)
+            out[(layer, module, fused, "b")] = np.ascontiguousarray(slots)
+    return out
 
 
 def read_profile(stored) -> dict | None:

@@ -4,6 +4,11 @@ Flax modules; the families differ only in `ModelConfig` options.
 Shapes carry their axes in their names: B batch, T new tokens, S context keys, D hidden,
 H query heads, K key/value heads, G = H // K query heads per KV head, E head dim, F FFN, V vocab.
 
+Projections that read the same input are one weight, so a pass makes one product where it would
+make several: `qkv` `[D, K, G + 2, E]` holds each KV head's G query heads, then its key, then its
+value (a split over KV heads keeps a group on one device), and `gate_up` `[D, 2, F]` the MLP's two
+input projections. Their draft adapters are fused too (`DraftLoRA`).
+
 Every pass runs a static subset of layers (`layers`): the full model is all of them, the S3D
 drafter the full model minus a middle range. Attention always has two key segments:
   - a *context*: keys and values computed earlier (the KV cache at inference, the clean
@@ -56,21 +61,39 @@ def window_mask(q_pos, k_pos, sliding_window: int | None):
 
 
 class DraftLoRA(nn.Module):
-    """A low-rank update `x A B` that only draft passes apply, so the verifier stays the original model."""
+    """A low-rank update `x A B` that only draft passes apply, so the verifier stays the original model.
+
+    A fused projection (`slot_parts`) has an adapter per part, as separate projections would, in two
+    products: the parts' A factors side by side, then their B factors as one product batched over
+    the output's slots along `slot_axis`, each slot reading its own part's low-rank vector (a KV
+    group's G query heads read q's). B holds no zeros, so a draft reads no more bytes than separate
+    adapters would."""
 
     rank: int
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     dtype: jnp.dtype
     precision: str
+    slot_parts: tuple[int, ...] | None = None  # the part of each slot of a fused output; None: one part
+    slot_axis: int = 0
 
     @nn.compact
     def __call__(self, x):
-        a = self.param("a", init_normal, (*self.in_shape, self.rank), self.dtype)
-        b = self.param("b", nn.initializers.zeros, (self.rank, *self.out_shape), self.dtype)
-        n_in = len(self.in_shape)
+        n_in, r = len(self.in_shape), self.rank
+        if self.slot_parts is None:
+            a = self.param("a", init_normal, (*self.in_shape, r), self.dtype)
+            b = self.param("b", nn.initializers.zeros, (r, *self.out_shape), self.dtype)
+            return few_rows.tensordot(few_rows.tensordot(x, a, n_in, self.precision), b, 1, self.precision)
+        parts = max(self.slot_parts) + 1
+        slot_shape = self.out_shape[: self.slot_axis] + self.out_shape[self.slot_axis + 1 :]
+        a = self.param("a", init_normal, (*self.in_shape, parts * r), self.dtype)
+        b = self.param("b", nn.initializers.zeros, (len(self.slot_parts), r, *slot_shape), self.dtype)
         low = few_rows.tensordot(x, a, n_in, self.precision)
-        return few_rows.tensordot(low, b, 1, self.precision)
+        low = low.reshape(*low.shape[:-1], parts, r)[..., np.asarray(self.slot_parts), :]  # [.., slots, r]
+        lead = low.ndim - 2
+        y = jax.lax.dot_general(low, b, (((lead + 1,), (1,)), ((lead,), (0,))), precision=self.precision,
+                                preferred_element_type=jnp.float32)  # [slots, .., *slot_shape]
+        return jnp.moveaxis(y, 0, lead + self.slot_axis).astype(x.dtype)
 
 
 def weight(module: nn.Module, name: str, in_shape, out_shape):
@@ -90,8 +113,10 @@ def vocabulary_table(module: nn.Module, name: str):
     return weight(module, name, (module.config.hidden_size,), (module.config.vocab_size,))
 
 
-def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool, bias: bool = False):
-    """`x @ W` (+ b) over the trailing `in_shape` axes, plus the draft-only LoRA update in draft passes."""
+def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool, bias: bool = False,
+           slot_parts: tuple[int, ...] | None = None, slot_axis: int = 0):
+    """`x @ W` (+ b) over the trailing `in_shape` axes, plus the draft-only LoRA update in draft passes.
+    A fused `W` names the part of each slot of its output along `slot_axis` (`DraftLoRA`)."""
     c = module.config
     w = weight(module, name, in_shape, out_shape)
     n_in = len(in_shape)
@@ -99,7 +124,8 @@ def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool, bi
     if bias:
         y = y + module.param(f"{name}_bias", nn.initializers.zeros, tuple(out_shape), c.jnp_dtype)
     if c.draft_lora_rank:
-        lora = DraftLoRA(c.draft_lora_rank, tuple(in_shape), tuple(out_shape), c.jnp_dtype, c.precision, name=f"{name}_lora")
+        lora = DraftLoRA(c.draft_lora_rank, tuple(in_shape), tuple(out_shape), c.jnp_dtype, c.precision, slot_parts, slot_axis,
+                         name=f"{name}_lora")
         if draft or module.is_initializing():
             y = y + lora(x)
     return y
@@ -166,16 +192,16 @@ class Attention(nn.Module):
         c = self.config
         D, H, K, E = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         G = H // K
-        q_BTHE = linear(self, "q", x_BTD, (D,), (H, E), draft, bias=c.qkv_bias)
-        k_BTKE = linear(self, "k", x_BTD, (D,), (K, E), draft, bias=c.qkv_bias)
-        v_BTKE = linear(self, "v", x_BTD, (D,), (K, E), draft, bias=c.qkv_bias)
+        B, T = x_BTD.shape[:2]
+        qkv_BTKPE = linear(self, "qkv", x_BTD, (D,), (K, G + 2, E), draft, c.qkv_bias, (0,) * G + (1, 2), 1)  # P = G + 2
+        q_BTHE = qkv_BTKPE[..., :G, :].reshape(B, T, H, E)
+        k_BTKE, v_BTKE = qkv_BTKPE[..., G, :], qkv_BTKPE[..., G + 1, :]
         if c.qk_norm:
             q_BTHE = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, name="q_norm")(q_BTHE)
             k_BTKE = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, name="k_norm")(k_BTKE)
         theta, scaling = c.layer_rope(self.layer)
         q_BTHE, k_BTKE = rope(q_BTHE, positions_BT, theta, scaling), rope(k_BTKE, positions_BT, theta, scaling)
 
-        B, T = x_BTD.shape[:2]
         q_BTKGE = q_BTHE.reshape(B, T, K, G, E)
         # Keys are laid out [B, K, S, E] and values [B, K, E, S], as in the cache: in both attention
         # matmuls the heads are a batch axis and the contracted axis is minor, which is the layout
@@ -223,9 +249,9 @@ class MLP(nn.Module):
     def __call__(self, x_BTD, draft: bool):
         c = self.config
         D, F = c.hidden_size, c.intermediate_size
-        gate_BTF = linear(self, "gate", x_BTD, (D,), (F,), draft)
+        gate_up_BT2F = linear(self, "gate_up", x_BTD, (D,), (2, F), draft, slot_parts=(0, 1))
         act = nn.silu if c.hidden_act == "silu" else lambda x: nn.gelu(x, approximate=True)  # GeGLU: tanh GELU
-        h_BTF = act(gate_BTF) * linear(self, "up", x_BTD, (D,), (F,), draft)
+        h_BTF = act(gate_up_BT2F[..., 0, :]) * gate_up_BT2F[..., 1, :]
         return linear(self, "down", h_BTF, (F,), (D,), draft)
 
 

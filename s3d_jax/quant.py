@@ -29,8 +29,9 @@ import numpy as np
 
 from s3d_jax.config import QUANT_GROUP as GROUP  # entries sharing a scale, along a weight's last input axis
 
-# The weights quantized, by name, with their input axes; the rest stay float32.
-QUANTIZED_INPUTS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1,  # o reads [heads, head_dim]
+# The weights quantized, by name, with their input axes; the rest stay float32. Conversion reads the
+# parts of the fused projections (q, k, v; gate, up) separately before it fuses them (`model`).
+QUANTIZED_INPUTS = {"qkv": 1, "o": 2, "gate_up": 1, "down": 1, "q": 1, "k": 1, "v": 1, "gate": 1, "up": 1,  # o reads [H, E]
                     "embed": 1, "lm_head": 1, "draft_head": 1}  # vocabulary tables [D, V]
 VOCABULARY_TABLES = ("embed", "lm_head", "draft_head")
 BITS = {"int8": 8, "int4": 4}  # a quantized dtype's projections

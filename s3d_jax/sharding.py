@@ -24,16 +24,17 @@ from s3d_jax.config import ConfigError, ModelConfig
 # A quantized weight's values and scales (`quant`) have its rank and split as it does.
 _WEIGHT = r"(\['(values|scale|min)'\])?$"
 SHARDING_RULES = [
-    (r"\['(q|k|v)'\]" + _WEIGHT, ("fsdp", "model", None)),
+    (r"\['qkv'\]" + _WEIGHT, ("fsdp", "model", None, None)),  # by KV head: each keeps its query heads
+    (r"\['qkv_bias'\]$", ("model", None, None)),
     (r"\['o'\]" + _WEIGHT, ("model", None, "fsdp")),
-    (r"\['(gate|up)'\]" + _WEIGHT, ("fsdp", "model")),
+    (r"\['gate_up'\]" + _WEIGHT, ("fsdp", None, "model")),
     (r"\['down'\]" + _WEIGHT, ("model", "fsdp")),
     (r"\['(embed|lm_head)'\]" + _WEIGHT, ("fsdp", "model")),
     # The drafter's LoRA adapters split as their weight does: by the output (b) of a column-split weight,
     # by the input (a) of a row-split one. The other factor is rank-sized and stays whole.
-    (r"\['(q|k|v)_lora'\]\['b'\]$", (None, "model", None)),
+    (r"\['qkv_lora'\]\['b'\]$", (None, None, "model", None)),  # [G + 2, r, K, E]
     (r"\['o_lora'\]\['a'\]$", ("model", None, None)),
-    (r"\['(gate|up)_lora'\]\['b'\]$", (None, "model")),
+    (r"\['gate_up_lora'\]\['b'\]$", (None, None, "model")),  # [2, r, F]
     (r"\['down_lora'\]\['a'\]$", ("model", None)),
 ]
 

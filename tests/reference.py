@@ -68,10 +68,12 @@ def _layer(p, x_TD, c: ModelConfig):
     T = x_TD.shape[0]
     pos = np.arange(T, dtype=np.float64)
     h = _rms(x_TD, p["attn_norm"]["scale"], c.rms_norm_eps)
-    q = _rope(np.einsum("td,dhe->the", h, p["attn"]["q"]), pos, c.rope_theta)
-    k = _rope(np.einsum("td,dke->tke", h, p["attn"]["k"]), pos, c.rope_theta)
-    v = np.einsum("td,dke->tke", h, p["attn"]["v"])
     group = c.num_heads // c.num_kv_heads
+    qkv = p["attn"]["qkv"]  # [D, K, G + 2, E]: each KV head's query heads, then its key and value
+    q_DHE = qkv[:, :, :group].reshape(c.hidden_size, c.num_heads, c.head_dim)
+    q = _rope(np.einsum("td,dhe->the", h, q_DHE), pos, c.rope_theta)
+    k = _rope(np.einsum("td,dke->tke", h, qkv[:, :, group]), pos, c.rope_theta)
+    v = np.einsum("td,dke->tke", h, qkv[:, :, group + 1])
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     scores = np.einsum("the,she->hts", q, k) / np.sqrt(c.head_dim)
     allowed = np.tril(np.ones((T, T), bool))
@@ -82,8 +84,8 @@ def _layer(p, x_TD, c: ModelConfig):
     probs /= probs.sum(-1, keepdims=True)
     x_TD = x_TD + np.einsum("hts,she,hed->td", probs, v, p["attn"]["o"])
     h = _rms(x_TD, p["mlp_norm"]["scale"], c.rms_norm_eps)
-    gate = h @ p["mlp"]["gate"]
-    return x_TD + (gate / (1 + np.exp(-gate)) * (h @ p["mlp"]["up"])) @ p["mlp"]["down"]
+    gate, up = h @ p["mlp"]["gate_up"][:, 0], h @ p["mlp"]["gate_up"][:, 1]  # [D, 2, F]
+    return x_TD + (gate / (1 + np.exp(-gate)) * up) @ p["mlp"]["down"]
 
 
 def numpy_logits(model: Model, tokens, layers=None, frozen_prefix: int = 0):

@@ -244,3 +244,46 @@ def test_loading_in_another_dtype_casts_while_reading(tmp_path, dtype):
     expected = cast_params(checkpoint.load(tmp_path / "model").params, jnp.dtype(dtype))
     for got, want in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(expected), strict=True):
         assert got.dtype == want.dtype and bool((got == want).all())
+
+
+def test_a_format_1_file_s_separate_adapters_load_fused_with_the_same_products(tmp_path):
+    """Format 1 held an adapter per projection; loaded, q, k, v's and gate, up's become their fused
+    projection's, and each part of the fused update is what its own adapter made."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from s3d_jax.model import DraftLoRA
+
+    base, _, _ = _file(tmp_path)
+    c = base.config
+    D, H, K, E, F, r = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, RANK
+    G = H // K
+    rng = np.random.default_rng(0)
+    shapes = {"q": (H, E), "k": (K, E), "v": (K, E), "gate": (F,), "up": (F,)}
+    separate = {(name, f): rng.normal(size=(D, r) if f == "a" else (r, *shape)).astype(np.float32)
+                for name, shape in shapes.items() for f in "ab"}
+    old = {"mask_row": np.zeros(D, np.float32)}
+    for (name, f), w in separate.items():
+        old[f"lora/layer_0/{'attn' if name in ('q', 'k', 'v') else 'mlp'}/{name}_lora/{f}"] = w
+    meta = {"format": 1, "skip": list(SKIP), "gamma": GAMMA, "lora_rank": r, "draft_vocab_size": 0,
+            "base": drafter.base_identity(base.params, c), "tokenizer": None}
+    save_file(old, str(tmp_path / "old.safetensors"), metadata={"s3d_drafter": json.dumps(meta)})
+    lora = drafter.load_file(tmp_path / "old.safetensors").lora
+    x = rng.normal(size=(2, D)).astype(np.float32)
+    part = {name: np.einsum("td,dr,r...->t...", x, separate[(name, "a")], separate[(name, "b")]) for name in shapes}
+
+    def fused(name, out_shape, slot_parts, slot_axis):
+        module = DraftLoRA(r, (D,), out_shape, jnp.float32, "highest", slot_parts, slot_axis)
+        params = {"a": lora[("layer_0", "attn" if name == "qkv" else "mlp", f"{name}_lora", "a")],
+                  "b": lora[("layer_0", "attn" if name == "qkv" else "mlp", f"{name}_lora", "b")]}
+        return np.asarray(module.apply({"params": params}, x))
+
+    qkv = fused("qkv", (K, G + 2, E), (0,) * G + (1, 2), 1)  # each KV head's query heads, then its key and value
+    np.testing.assert_allclose(qkv[:, :, :G].reshape(2, H, E), part["q"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(qkv[:, :, G], part["k"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(qkv[:, :, G + 1], part["v"], rtol=1e-5, atol=1e-5)
+    gate_up = fused("gate_up", (2, F), (0, 1), 0)
+    np.testing.assert_allclose(gate_up[:, 0], part["gate"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gate_up[:, 1], part["up"], rtol=1e-5, atol=1e-5)
+    assert drafter.apply(base, tmp_path / "old.safetensors").config.draft_lora_rank == r

@@ -145,7 +145,7 @@ def test_quantized_speculative_greedy_is_exact_on_xlas_dot_too(quantized_model, 
     spec = s3d_jax.decode(quantized_model, prompts, method="s3d", max_new_tokens=16, eos_token_ids=(), min_certainty=0.0,
                           gamma=3, skip=(1, 4), tree=4)
     assert spec.tokens == plain.tokens
-    lowered = jax.jit(few_rows.matmul).lower(jnp.ones((1, 64)), quantized_model.params["layer_0"]["mlp"]["gate"]).as_text()
+    lowered = jax.jit(few_rows.matmul).lower(jnp.ones((1, 64)), quantized_model.params["layer_0"]["mlp"]["gate_up"]).as_text()
     assert "custom_call" not in lowered
 
 
@@ -237,14 +237,15 @@ def test_gguf_blocks_load_as_they_ship(tmp_path):
         # int8 requantizes the Q4 weights and says what it cost; int4 keeps Q4_0 and requantizes nothing
         assert said == [] if dtype == "int4" else (len(said) == 2 and "Q4_1 weights are not int8's blocks" in " ".join(said))
         layer = model.params["layer_1"]
-        assert quant.bits_of(layer["attn"]["q"]) == quant.bits_of(layer["mlp"]["down"]) == quant.BITS[dtype]
+        assert quant.bits_of(layer["attn"]["qkv"]) == quant.bits_of(layer["mlp"]["down"]) == quant.BITS[dtype]
         assert quant.bits_of(model.params["embed"]) == 8
         plain = quant.dequantize_params(model.params)
         vocab = model.config.mask_token_id  # the appended mask row is the int8 mean, then padding
         np.testing.assert_array_equal(plain["embed"][:, :vocab], shipped["token_embd.weight"].T)
         if dtype == "int4":  # the Q4 blocks are the int4 weights, exactly
             np.testing.assert_array_equal(plain["layer_1"]["mlp"]["down"], shipped["blk.1.ffn_down.weight"].T)
-            np.testing.assert_array_equal(plain["layer_1"]["attn"]["k"].reshape(64, -1), shipped["blk.1.attn_k.weight"].T)
+            key = plain["layer_1"]["attn"]["qkv"][:, :, -2]  # [D, K, G + 2, E]: each KV head's key is its next to last
+            np.testing.assert_array_equal(key.reshape(64, -1), shipped["blk.1.attn_k.weight"].T)
             same = {k: v for k, v in plain.items() if k != "embed"}
             jax.tree.map(np.testing.assert_array_equal, same, {k: v for k, v in dict(reference.params).items() if k != "embed"})
         else:  # Q4 blocks requantized to int8: within half an int8 step of their values

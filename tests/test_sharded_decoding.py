@@ -115,7 +115,7 @@ def test_a_drafter_s_adapters_are_split_with_their_weights(shape, n, bound):
     params = abstract_params(config)
     layout = sharding.decode_shardings(params, config, jax.sharding.AbstractMesh((1, n), ("data", "model")))
     specs = {jax.tree_util.keystr(path): s.spec for path, s in jax.tree_util.tree_leaves_with_path(layout)}
-    split = {name: spec for name, spec in specs.items() if re.search(r"(q|k|v|gate|up)_lora'\]\['b'\]|(o|down)_lora'\]\['a'\]", name)}
+    split = {name: spec for name, spec in specs.items() if re.search(r"(qkv|gate_up)_lora'\]\['b'\]|(o|down)_lora'\]\['a'\]", name)}
     assert split and all("model" in spec for spec in split.values()), split
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     per_device = sum(np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(layout)))

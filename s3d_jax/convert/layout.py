@@ -2,8 +2,10 @@
 
 Each rule names an HF tensor (torch layout, `{i}` for the layer) and the params it holds in this
 project's tree. `params_from_hf` reads the table forwards and `params_to_hf` backwards, so import
-and export cannot disagree. Phi-3 fuses q, k, v into one tensor and gate, up into another: a rule
-with several params splits the HF rows among them, in order. A rule's `when` names the configs whose
+and export cannot disagree. The rules name the projections' parts (q, k, v; gate, up), which
+`FUSED` then joins into the model's fused weights (`model`) and splits again for export. Phi-3 fuses
+q, k, v into one tensor and gate, up into another: a rule with several params splits the HF rows
+among them, in order. A rule's `when` names the configs whose
 checkpoints hold its tensor: Qwen2's biases, the q/k norms of Qwen3 and Gemma-3, and Gemma's four
 norms per layer, where `post_attention_layernorm` is the attention output's norm and not, as in
 LLaMA, the MLP's input norm. Gemma's norm weights are stored as they are and the model adds the 1
@@ -158,12 +160,93 @@ RULES = (
 IGNORED = (re.compile(r".*\.rotary_emb\.inv_freq"),)  # buffers some old checkpoints saved
 
 
+def _join_qkv(q, k, v, c: ModelConfig):  # [.., H, E], [.., K, E] x2 -> [.., K, G + 2, E]
+    K = c.num_kv_heads
+    q = q.reshape(*q.shape[:-2], K, c.num_heads // K, q.shape[-1])
+    return np.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
+
+
+def _split_qkv(qkv, c: ModelConfig):
+    G = c.num_heads // c.num_kv_heads
+    return qkv[..., :G, :].reshape(*qkv.shape[:-3], c.num_heads, qkv.shape[-1]), qkv[..., G, :], qkv[..., G + 1, :]
+
+
+def _join_gate_up(gate, up, c: ModelConfig):  # [.., F] x2 -> [.., 2, F]
+    return np.stack([gate, up], axis=-2)
+
+
+def _split_gate_up(gate_up, c: ModelConfig):
+    return gate_up[..., 0, :], gate_up[..., 1, :]
+
+
+class Fused(NamedTuple):
+    """One of the model's fused weights: the params it joins, and how (on the trailing, output axes, so
+    a quantized weight's values, scales and minimums join alike)."""
+
+    parts: tuple[str, ...]
+    join: Callable
+    split: Callable
+
+
+FUSED = {
+    "attn/qkv": Fused(("attn/q", "attn/k", "attn/v"), _join_qkv, _split_qkv),
+    "attn/qkv_bias": Fused(("attn/q_bias", "attn/k_bias", "attn/v_bias"), _join_qkv, _split_qkv),
+    "mlp/gate_up": Fused(("mlp/gate", "mlp/up"), _join_gate_up, _split_gate_up),
+}
+
+
+def _fused_name(path: str) -> tuple[str, str] | None:
+    """`layer_3/attn/qkv` -> ("layer_3/", "attn/qkv") for a fused weight, else None."""
+    m = re.fullmatch(r"(layer_\d+/)(.*)", path)
+    return (m.group(1), m.group(2)) if m and m.group(2) in FUSED else None
+
+
+def _each(fn, arrays):
+    """`fn` over plain arrays, or over each part (values, scale, min) of quantized ones."""
+    if quant.is_quantized(arrays[0]):
+        return {key: fn(*[a[key] for a in arrays]) for key in arrays[0]}
+    return fn(*arrays)
+
+
+def join_parts(flat: dict, config: ModelConfig) -> dict:
+    """A flat `/`-named params dict holding the parts of the fused weights, with each group of parts
+    replaced by its fused weight (a layer at a time, so the model is never held twice)."""
+    flat = dict(flat)
+    for layer in sorted({path.split("/", 1)[0] + "/" for path in flat if path.startswith("layer_")}):
+        for name, fused in FUSED.items():
+            paths = [layer + part for part in fused.parts]
+            if all(p in flat for p in paths):
+                arrays = [flat.pop(p) for p in paths]
+                flat[layer + name] = _each(lambda *a, j=fused.join: np.ascontiguousarray(j(*a, config)), arrays)
+    return flat
+
+
+def split_parts(flat: dict, config: ModelConfig) -> dict:
+    """The inverse of `join_parts`: each fused weight as its parts (views of it where the layout allows)."""
+    out = {}
+    for path, w in flat.items():
+        found = _fused_name(path)
+        if found is None:
+            out[path] = w
+            continue
+        layer, name = found
+        fused = FUSED[name]
+        if quant.is_quantized(w):
+            pieces = {key: fused.split(v, config) for key, v in w.items()}
+            split = [{key: pieces[key][i] for key in w} for i in range(len(fused.parts))]
+        else:
+            split = fused.split(w, config)
+        out.update({layer + part: piece for part, piece in zip(fused.parts, split, strict=True)})
+    return out
+
+
 def params_from_hf(tensors: Mapping[str, np.ndarray | GroupedTensor], config: ModelConfig, progress: bool = False) -> dict:
     """Maps HF-named weights to a params tree of numpy arrays in the config's dtype, checking every
     shape. For a quantized dtype each weight is quantized as it is read, so the model is never held
     in float; a source's own groups (`GroupedTensor`) are kept as they are where they are the format
     wanted, and dequantized and quantized again where they are not."""
-    expected = flatten_dict(abstract_params(config), sep="/", is_leaf=lambda _, node: quant.is_quantized(node))
+    fused_expected = flatten_dict(abstract_params(config), sep="/", is_leaf=lambda _, node: quant.is_quantized(node))
+    expected = jax.eval_shape(lambda tree: split_parts(tree, config), fused_expected)  # the parts the rules name
     flat: dict[str, np.ndarray | dict] = {}
     source_of: dict[str, str] = {}
     requantized: dict[str, list[float]] = {}  # a source block type -> the relative rounding error of each weight
@@ -198,7 +281,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray | GroupedTensor], config: Mo
     for kind, errors in requantized.items():  # the nearest format, with the error it costs
         warnings.warn(f"{len(errors)} {kind} weights are not {config.dtype}'s blocks: quantized again from their values, "
                       f"relative RMS rounding error {np.mean(errors):.2%} on average, {max(errors):.2%} at most", stacklevel=2)
-    return unflatten_dict(flat, sep="/")
+    return unflatten_dict(join_parts(flat, config), sep="/")
 
 
 class _Spread(NamedTuple):
@@ -244,7 +327,7 @@ def _in_format(out: np.ndarray | _Spread, target: str, config: ModelConfig):
 def params_to_hf(params, config: ModelConfig) -> dict[str, np.ndarray]:
     """HF tensor names in torch layouts, float32. Draft-only LoRA weights have no HF counterpart and are
     left out: the full model does not use them."""
-    flat = flatten_dict(params, sep="/")
+    flat = split_parts(flatten_dict(params, sep="/", is_leaf=lambda _, node: quant.is_quantized(node)), config)
     fused = config.architecture in FUSED_ARCHITECTURES
     out = {}
     for rule in RULES:

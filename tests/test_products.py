@@ -1,0 +1,59 @@
+"""How many matrix products each decode pass launches, counted in the traced passes of every family:
+q, k, v as one product and gate, up as another, and each fused projection's draft adapter as one A
+and one B product (`model`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from reference import tiny_model
+
+from s3d_jax import few_rows
+from s3d_jax.cache import KVCache
+from s3d_jax.calibration import draft_pass, verify_pass
+
+FAMILIES = {
+    "llama": {},
+    "mistral": dict(architecture="mistral", sliding_window=5),
+    "phi3": dict(architecture="phi3"),
+    "qwen2": dict(architecture="qwen2", qkv_bias=True),
+    "qwen3": dict(architecture="qwen3", qk_norm=True),
+    "gemma2": dict(architecture="gemma2", hidden_act="gelu_pytorch_tanh", norm_plus_one=True, post_norms=True,
+                   scale_embeddings=True, attn_softcap=50.0, final_softcap=30.0, sliding_window=5),
+    "gemma3_text": dict(architecture="gemma3_text", hidden_act="gelu_pytorch_tanh", norm_plus_one=True, post_norms=True,
+                        scale_embeddings=True, qk_norm=True, sliding_window=5),
+}
+PROJECTIONS = 4  # per layer: qkv, o, gate_up, down
+ATTENTION = 4  # scores and values, against the cache and against the block itself
+SKIP, GAMMA = (2, 3), 3
+
+
+def products(fn, *args) -> int:
+    """`dot_general`s in the jaxpr of `fn(*args)`, inside loops, conditionals and calls too, with every
+    product on XLA's dot (the CPU kernel is a custom call that would hide them)."""
+    with few_rows.switch(False):
+        jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+
+    def count(jaxpr) -> int:
+        total = 0
+        for eqn in jaxpr.eqns:
+            total += eqn.primitive.name == "dot_general"
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                total += count(sub)
+        return total
+
+    return count(jaxpr)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_plain_step_makes_one_product_per_fused_projection(family):
+    model = tiny_model(draft_lora_rank=4, **FAMILIES[family])
+    cache = KVCache.zeros(model.config, 1, 32)
+    x_n = jnp.zeros((1,), jnp.int32)
+    layers = model.config.num_layers
+    assert products(verify_pass(model, 1), model.params, cache, x_n) == layers * (PROJECTIONS + ATTENTION) + 1  # + the head
+    # A draft layer adds its adapters' two products per projection (separate adapters made six for qkv).
+    draft_layers = len(model.config.draft_layers(SKIP))
+    drafted = products(draft_pass(model, SKIP, GAMMA), model.params, cache, x_n)
+    assert drafted == draft_layers * (3 * PROJECTIONS + ATTENTION) + 1
