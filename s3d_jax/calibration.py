@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from s3d_jax import few_rows, sharding, tree
+from s3d_jax import checkpoint, few_rows, sharding, tree
 from s3d_jax.cache import KVCache
 from s3d_jax.checkpoint import Model
 from s3d_jax.decoding import compile_ahead
@@ -238,7 +238,8 @@ def cache_file(model: Model):
     fields = {"machine": machine(), "model": c.replace(draft_skip=None, draft_gamma=None, draft_lora_rank=0, draft_vocab_size=0,
                                                       draft_tree=0).to_json(),
               "drafter": drafter, "sizes": TREE_SIZES, "context": CONTEXT,
-              "kernel": few_rows.build_id() if few_rows.switched_on() else None}
+              "kernel": few_rows.build_id() if few_rows.switched_on() else None,
+              "layout": checkpoint.FORMAT}  # the params' layout: fusing projections changed every pass's cost
     mesh = sharding.mesh_shape(model.params)
     if mesh:  # a model split over devices has costs of its own
         fields["mesh"] = mesh
