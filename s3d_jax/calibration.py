@@ -41,6 +41,7 @@ from s3d_jax.checkpoint import Model
 from s3d_jax.decoding import compile_ahead
 from s3d_jax.options import DEFAULT_GAMMA
 from s3d_jax.paths import cache_root
+from s3d_jax.settings import env_setting, env_switch
 from s3d_jax.speculative import Plan, draft_s3d, verify
 from s3d_jax.speedup import Policy, choose_policy
 
@@ -211,7 +212,7 @@ class PassCosts:
 
 
 def switched_on() -> bool:
-    return few_rows.env_switch(ENV_SWITCH)
+    return env_switch(ENV_SWITCH)
 
 
 @functools.cache
@@ -257,7 +258,7 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
         raise ValueError("calibration times S3D's draft pass: the model needs a mask row and a drafter (s3d_jax.load(..., drafter=...))")
     path = cache_file(model)
     known = None if force else _read(path)
-    tries = few_rows.env_setting(ENV_TRIES, BUSY_TRIES, 1)
+    tries = env_setting(ENV_TRIES, BUSY_TRIES, 1)
     if known is not None and not (known.busy and known.tries < tries and path not in _measured_here):
         return known
     if not quiet:

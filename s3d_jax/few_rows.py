@@ -41,6 +41,7 @@ import jaxlib
 
 from s3d_jax import quant
 from s3d_jax.paths import cache_root
+from s3d_jax.settings import env_setting, env_switch
 
 SOURCE = Path(__file__).with_name("few_rows.cc")
 TARGET = "s3d_few_row_matmul"
@@ -57,7 +58,6 @@ DEFAULT_MAX_THREADS = 8
 # microseconds apart; a longer spin is no faster and keeps a core busy (docs/cpu.md, "Helper threads").
 DEFAULT_SPIN_MICROSECONDS = 50
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++20", "-shared", "-fPIC"]
-_ON, _OFF = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 _switch: contextvars.ContextVar[bool | None] = contextvars.ContextVar("few_row_kernel", default=None)
 
@@ -66,14 +66,6 @@ def switched_on() -> bool:
     """The switch: `switch(on)` while tracing under it, else `S3D_JAX_FEW_ROW_KERNEL` (default on)."""
     forced = _switch.get()
     return env_switch(ENV_SWITCH) if forced is None else forced
-
-
-def env_switch(name: str) -> bool:
-    """An on/off setting from the environment: unset or empty is on."""
-    value = os.environ.get(name, "").strip().lower() or "1"
-    if value not in _ON | _OFF:
-        raise ValueError(f"{name}={os.environ[name]!r}: expected one of 1, 0, true, false, yes, no, on, off")
-    return value in _ON
 
 
 @contextlib.contextmanager
@@ -85,16 +77,6 @@ def switch(on: bool):
         yield
     finally:
         _switch.reset(token)
-
-
-def env_setting(name: str, default: int, minimum: int) -> int:
-    """A whole-number setting from the environment: `default` where unset."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    if not value.strip().isdigit() or int(value) < minimum:
-        raise ValueError(f"{name}={value!r}: expected a whole number >= {minimum}")
-    return int(value)
 
 
 def threads() -> int:

@@ -15,7 +15,7 @@ import warnings
 
 import jax
 
-from s3d_jax import few_rows
+from s3d_jax.settings import env_switch
 
 ENV_SWITCH = "S3D_JAX_CUDA_GRAPHS"
 # A compile option replaces XLA's list of command types (only XLA_FLAGS takes `+WHILE`): its default
@@ -26,7 +26,7 @@ LOOP_OPTIONS = {"xla_gpu_enable_command_buffer": ",".join((*XLA_DEFAULT_COMMANDS
 
 def applies() -> bool:
     """Whether the decode loop is compiled with `LOOP_OPTIONS`: a GPU backend, the switch on."""
-    return jax.default_backend() == "gpu" and few_rows.env_switch(ENV_SWITCH)
+    return jax.default_backend() == "gpu" and env_switch(ENV_SWITCH)
 
 
 @functools.cache

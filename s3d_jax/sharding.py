@@ -17,8 +17,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from s3d_jax import few_rows
 from s3d_jax.config import ConfigError, ModelConfig
+from s3d_jax.settings import env_setting
 
 # Preferred axes per parameter, by the tail of its path: "fsdp" shards over the data axis when FSDP is on.
 # A quantized weight's values and scales (`quant`) have its rank and split as it does.
@@ -85,7 +85,7 @@ def maybe_initialize_distributed() -> None:
     cluster = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES")
     if not any(os.environ.get(k) for k in cluster) or int(os.environ.get("SLURM_NTASKS", "2")) <= 1 or jax.distributed.is_initialized():
         return
-    given = {name: few_rows.env_setting(variable, None, minimum)
+    given = {name: env_setting(variable, None, minimum)
              for name, variable, minimum in (("num_processes", "JAX_NUM_PROCESSES", 1), ("process_id", "JAX_PROCESS_ID", 0))
              if os.environ.get(variable)}
     jax.distributed.initialize(**given)

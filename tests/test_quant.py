@@ -17,7 +17,7 @@ from s3d_jax import checkpoint, few_rows, quant
 from s3d_jax.config import ConfigError
 
 needs_kernel = pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX", "c++")) is None or not few_rows.env_switch(few_rows.ENV_SWITCH),
+    shutil.which(os.environ.get("CXX", "c++")) is None or not few_rows.switched_on(),
     reason="no C++ compiler, or the kernel switched off",
 )
 # The projections' inputs (hidden 64, head_dim 32, MLP 96) are whole groups of 32.
