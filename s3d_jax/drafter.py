@@ -173,7 +173,7 @@ _FUSED_ADAPTERS = {("attn", "qkv_lora"): ("q_lora", "k_lora", "v_lora"), ("mlp",
 
 
 def fuse_adapters(lora: dict) -> dict:
-    """Format 1's separate adapters as the fused projections' (`model.DraftLoRA`): the parts' A factors
+    """Format 1's separate adapters as the fused projections' (`adapters.DraftLoRA`): the parts' A factors
     side by side, and their B factors one per output slot (q's `[r, H, E]` as G slots `[r, K, E]`)."""
     separate = {part for parts in _FUSED_ADAPTERS.values() for part in parts}
     out = {k: v for k, v in lora.items() if k[2] not in separate}

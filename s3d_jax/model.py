@@ -7,7 +7,7 @@ H query heads, K key/value heads, G = H // K query heads per KV head, E head dim
 Projections that read the same input are one weight, so a pass makes one product where it would
 make several: `qkv` `[D, K, G + 2, E]` holds each KV head's G query heads, then its key, then its
 value (a split over KV heads keeps a group on one device), and `gate_up` `[D, 2, F]` the MLP's two
-input projections. Their draft adapters are fused too (`DraftLoRA`).
+input projections. Their draft adapters are fused too (`adapters.DraftLoRA`).
 
 Every pass runs a static subset of layers (`layers`): the full model is all of them, the S3D
 drafter the full model minus a middle range. Attention always has two key segments:
@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from s3d_jax import few_rows, quant
+from s3d_jax.adapters import DraftLoRA
 from s3d_jax.config import ModelConfig, RopeScaling
 
 NEG_INF = jnp.finfo(jnp.float32).min
@@ -58,42 +59,6 @@ def window_mask(q_pos, k_pos, sliding_window: int | None):
     if sliding_window is None:
         return jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
     return q_pos - k_pos < sliding_window
-
-
-class DraftLoRA(nn.Module):
-    """A low-rank update `x A B` that only draft passes apply, so the verifier stays the original model.
-
-    A fused projection (`slot_parts`) has an adapter per part, as separate projections would, in two
-    products: the parts' A factors side by side, then their B factors as one product batched over
-    the output's slots along `slot_axis`, each slot reading its own part's low-rank vector (a KV
-    group's G query heads read q's). B holds no zeros, so a draft reads no more bytes than separate
-    adapters would."""
-
-    rank: int
-    in_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-    dtype: jnp.dtype
-    precision: str
-    slot_parts: tuple[int, ...] | None = None  # the part of each slot of a fused output; None: one part
-    slot_axis: int = 0
-
-    @nn.compact
-    def __call__(self, x):
-        n_in, r = len(self.in_shape), self.rank
-        if self.slot_parts is None:
-            a = self.param("a", init_normal, (*self.in_shape, r), self.dtype)
-            b = self.param("b", nn.initializers.zeros, (r, *self.out_shape), self.dtype)
-            return few_rows.tensordot(few_rows.tensordot(x, a, n_in, self.precision), b, 1, self.precision)
-        parts = max(self.slot_parts) + 1
-        slot_shape = self.out_shape[: self.slot_axis] + self.out_shape[self.slot_axis + 1 :]
-        a = self.param("a", init_normal, (*self.in_shape, parts * r), self.dtype)
-        b = self.param("b", nn.initializers.zeros, (len(self.slot_parts), r, *slot_shape), self.dtype)
-        low = few_rows.tensordot(x, a, n_in, self.precision)
-        low = low.reshape(*low.shape[:-1], parts, r)[..., np.asarray(self.slot_parts), :]  # [.., slots, r]
-        lead = low.ndim - 2
-        y = jax.lax.dot_general(low, b, (((lead + 1,), (1,)), ((lead,), (0,))), precision=self.precision,
-                                preferred_element_type=jnp.float32)  # [slots, .., *slot_shape]
-        return jnp.moveaxis(y, 0, lead + self.slot_axis).astype(x.dtype)
 
 
 def weight(module: nn.Module, name: str, in_shape, out_shape):

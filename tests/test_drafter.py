@@ -253,7 +253,7 @@ def test_a_format_1_file_s_separate_adapters_load_fused_with_the_same_products(t
 
     from safetensors.numpy import save_file
 
-    from s3d_jax.model import DraftLoRA
+    from s3d_jax.adapters import DraftLoRA
 
     base, _, _ = _file(tmp_path)
     c = base.config

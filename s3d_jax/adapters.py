@@ -1,0 +1,49 @@
+"""The draft-only LoRA adapters: low-rank updates that only draft passes add to a projection, so the
+verifier stays the original model (docs/design.md, section 5)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from s3d_jax import few_rows
+
+init_a = nn.initializers.normal(stddev=0.02)  # as the model's own weights; B starts at zero, so an adapter starts as a no-op
+
+
+class DraftLoRA(nn.Module):
+    """A low-rank update `x A B` that only draft passes apply, so the verifier stays the original model.
+
+    A fused projection (`slot_parts`) has an adapter per part, as separate projections would, in two
+    products: the parts' A factors side by side, then their B factors as one product batched over
+    the output's slots along `slot_axis`, each slot reading its own part's low-rank vector (a KV
+    group's G query heads read q's). B holds no zeros, so a draft reads no more bytes than separate
+    adapters would."""
+
+    rank: int
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    dtype: jnp.dtype
+    precision: str
+    slot_parts: tuple[int, ...] | None = None  # the part of each slot of a fused output; None: one part
+    slot_axis: int = 0
+
+    @nn.compact
+    def __call__(self, x):
+        n_in, r = len(self.in_shape), self.rank
+        if self.slot_parts is None:
+            a = self.param("a", init_a, (*self.in_shape, r), self.dtype)
+            b = self.param("b", nn.initializers.zeros, (r, *self.out_shape), self.dtype)
+            return few_rows.tensordot(few_rows.tensordot(x, a, n_in, self.precision), b, 1, self.precision)
+        parts = max(self.slot_parts) + 1
+        slot_shape = self.out_shape[: self.slot_axis] + self.out_shape[self.slot_axis + 1 :]
+        a = self.param("a", init_a, (*self.in_shape, parts * r), self.dtype)
+        b = self.param("b", nn.initializers.zeros, (len(self.slot_parts), r, *slot_shape), self.dtype)
+        low = few_rows.tensordot(x, a, n_in, self.precision)
+        low = low.reshape(*low.shape[:-1], parts, r)[..., np.asarray(self.slot_parts), :]  # [.., slots, r]
+        lead = low.ndim - 2
+        y = jax.lax.dot_general(low, b, (((lead + 1,), (1,)), ((lead,), (0,))), precision=self.precision,
+                                preferred_element_type=jnp.float32)  # [slots, .., *slot_shape]
+        return jnp.moveaxis(y, 0, lead + self.slot_axis).astype(x.dtype)
