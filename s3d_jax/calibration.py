@@ -19,6 +19,7 @@ drafter's skip, γ and draft head): a change of any of them measures again.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -41,7 +42,7 @@ from s3d_jax.checkpoint import Model
 from s3d_jax.decoding import compile_ahead
 from s3d_jax.options import DEFAULT_GAMMA
 from s3d_jax.paths import cache_root
-from s3d_jax.settings import env_setting, env_switch
+from s3d_jax.settings import env_setting, env_switch, usable_cores
 from s3d_jax.speculative import Plan, draft_s3d, verify
 from s3d_jax.speedup import Policy, choose_policy
 
@@ -140,7 +141,12 @@ def time_passes(model, gamma: int) -> dict:
     c = model.config
     passes = {"step": verify_pass(model, 1), "verify": verify_pass(model, gamma + 1), "draft": draft_pass(model, c.draft_skip, gamma),
               **{n: tree_pass(model, n, gamma) for n in TREE_SIZES}}
-    timers = {name: pass_timer(model, fn, context=CONTEXT, repeats=REPEATS) for name, fn in passes.items()}
+    # Compiling is most of a calibration (on a GPU nearly all of it), and XLA compiles outside the GIL:
+    # the passes compile side by side, as many at a time as this process has cores.
+    few_rows.prepare()  # the kernel's first build, once, before the threads
+    with concurrent.futures.ThreadPoolExecutor(min(len(passes), usable_cores())) as pool:
+        made = pool.map(lambda fn: pass_timer(model, fn, context=CONTEXT, repeats=REPEATS), passes.values())
+        timers = dict(zip(passes, made))
     rounds = {name: [] for name in timers}
     for _ in range(ROUNDS):
         for name, timer in timers.items():
@@ -228,8 +234,7 @@ def _processor() -> str:
 def machine() -> str:
     """What pass costs depend on besides the model: processor, usable cores, backend and device, versions."""
     device, processor = jax.devices()[0], _processor()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{processor}, {cores} cores; {device.platform} {device.device_kind} x{jax.device_count()}; "
+    return (f"{processor}, {usable_cores()} cores; {device.platform} {device.device_kind} x{jax.device_count()}; "
             f"jax {jax.__version__}, jaxlib {jaxlib.__version__}; few-row kernel {'on' if few_rows.switched_on() else 'off'}")
 
 
@@ -269,12 +274,15 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
         rounds = time_passes(model, gamma)
     fastest = {name: min(ms) for name, ms in rounds.items()}
     steps = rounds["step"]
-    busy = load.cores > BUSY_CORES if load.cores is not None else max(steps) > BUSY_RATIO * min(steps)
+    # On an accelerator the passes run on the device, and the host's other work (its driver's
+    # threads included) does not slow them: only the spread of the steps says it was shared.
+    on_host = load.cores is not None and jax.default_backend() == "cpu"
+    busy = load.cores > BUSY_CORES if on_host else max(steps) > BUSY_RATIO * min(steps)
     costs = PassCosts(step=fastest["step"], verify=fastest["verify"], draft=fastest["draft"],
                       trees={n: fastest[n] for n in TREE_SIZES}, gamma=gamma, seconds=time.perf_counter() - start, machine=machine(),
                       busy=busy, tries=known.tries + 1 if known is not None and known.busy and busy else 1)
     if busy and not quiet:
-        what = f"other processes kept {load.cores:.1f} of its cores busy" if load.cores is not None else \
+        what = f"other processes kept {load.cores:.1f} of its cores busy" if on_host else \
             f"a plain step took {min(steps):.1f} to {max(steps):.1f} ms"
         if costs.tries < tries:
             then = f"the next {tries - costs.tries} processes to need them measure again (or run s3d_jax.calibrate(model) when it is quiet)"

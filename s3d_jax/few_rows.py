@@ -41,7 +41,7 @@ import jaxlib
 
 from s3d_jax import quant
 from s3d_jax.paths import cache_root
-from s3d_jax.settings import env_setting, env_switch
+from s3d_jax.settings import env_setting, env_switch, usable_cores
 
 SOURCE = Path(__file__).with_name("few_rows.cc")
 TARGET = "s3d_few_row_matmul"
@@ -81,8 +81,7 @@ def switch(on: bool):
 
 def threads() -> int:
     """`S3D_JAX_FEW_ROW_THREADS`, else the CPUs this process may use, at most `DEFAULT_MAX_THREADS`."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return env_setting(ENV_THREADS, max(1, min(DEFAULT_MAX_THREADS, usable)), 1)
+    return env_setting(ENV_THREADS, max(1, min(DEFAULT_MAX_THREADS, usable_cores())), 1)
 
 
 def spin_microseconds() -> int:

@@ -1,11 +1,13 @@
-"""What a GPU backend gets from s3d_jax: the decode loop recorded as CUDA graphs.
+"""What a GPU backend may get from s3d_jax: the decode loop recorded as CUDA graphs, off unless asked for.
 
 A decode iteration of a small model is hundreds of short kernels launched one after another; on an
-H100 a plain step of SmolLM2 took 4.9x its bandwidth floor (docs/gpu.md). XLA records runs of kernels
-as command buffers (CUDA graphs) and replays each with one launch, but by default not across a
-`while` loop or a conditional, which is what the whole decode loop and its choice of iteration kind
+H100 a plain step of SmolLM2 takes about 5x its bandwidth floor (docs/gpu.md). XLA records runs of
+kernels as command buffers (CUDA graphs) and replays each with one launch, but by default not across
+a `while` loop or a conditional, which is what the whole decode loop and its choice of iteration kind
 are. `LOOP_OPTIONS` adds those two to the command types XLA records, for every decode executable
-(`decoding.compile_ahead`). `S3D_JAX_CUDA_GRAPHS=0` (or `false`, `no`, `off`) leaves XLA's defaults.
+(`decoding.compile_ahead`), when `S3D_JAX_CUDA_GRAPHS=1`. Measured on an H100 (jaxlib 0.11.2), they
+left a plain step as it was (1.5 against 1.6 ms) and made every pass of several tokens about 2.2x
+slower (a verify of 5 tokens 2.78 plain steps against 1.28), so XLA's defaults are the default.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ LOOP_OPTIONS = {"xla_gpu_enable_command_buffer": ",".join((*XLA_DEFAULT_COMMANDS
 
 
 def applies() -> bool:
-    """Whether the decode loop is compiled with `LOOP_OPTIONS`: a GPU backend, the switch on."""
-    return jax.default_backend() == "gpu" and env_switch(ENV_SWITCH)
+    """Whether the decode loop is compiled with `LOOP_OPTIONS`: a GPU backend, the switch turned on."""
+    return jax.default_backend() == "gpu" and env_switch(ENV_SWITCH, default=False)
 
 
 @functools.cache

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -206,6 +207,22 @@ def test_without_the_kernel_s_counts_a_busy_machine_shows_in_the_step_s_rounds(m
     monkeypatch.setattr(calibration, "time_passes", rounds(step=(10.0, 11.0, 10.0, 10.0)))
     calibration.calibrate(model)
     assert "busy" not in capsys.readouterr().err
+
+
+def test_on_an_accelerator_only_the_step_s_rounds_say_busy(model, monkeypatch, capsys):
+    # The host's other work (a GPU driver's threads) does not slow passes that run on the device.
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    other = {"ticks": 0}
+
+    def ticks(cores):  # other processes keep the host's cores busy throughout
+        other["ticks"] += 150 * 100
+        return other["ticks"]
+
+    monkeypatch.setattr(calibration, "_busy_ticks", ticks)
+    monkeypatch.setattr(calibration, "time_passes", rounds(step=(10.0, 11.0, 10.0, 10.0)))
+    assert not calibration.calibrate(model).busy and "busy" not in capsys.readouterr().err
+    monkeypatch.setattr(calibration, "time_passes", rounds(step=(10.0, 20.0, 10.0, 10.0)))
+    assert calibration.calibrate(model).busy and "a plain step took 10.0 to 20.0 ms" in capsys.readouterr().err
 
 
 def test_other_load_counts_another_process():
