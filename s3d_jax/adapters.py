@@ -3,14 +3,14 @@ verifier stays the original model (docs/design.md, section 5)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from s3d_jax import few_rows
-
-init_a = nn.initializers.normal(stddev=0.02)  # as the model's own weights; B starts at zero, so an adapter starts as a no-op
 
 
 class DraftLoRA(nn.Module):
@@ -27,6 +27,7 @@ class DraftLoRA(nn.Module):
     out_shape: tuple[int, ...]
     dtype: jnp.dtype
     precision: str
+    init_a: Callable  # A's initializer (the model's own); B starts at zero, so an adapter starts as a no-op
     slot_parts: tuple[int, ...] | None = None  # the part of each slot of a fused output; None: one part
     slot_axis: int = 0
 
@@ -34,12 +35,12 @@ class DraftLoRA(nn.Module):
     def __call__(self, x):
         n_in, r = len(self.in_shape), self.rank
         if self.slot_parts is None:
-            a = self.param("a", init_a, (*self.in_shape, r), self.dtype)
+            a = self.param("a", self.init_a, (*self.in_shape, r), self.dtype)
             b = self.param("b", nn.initializers.zeros, (r, *self.out_shape), self.dtype)
             return few_rows.tensordot(few_rows.tensordot(x, a, n_in, self.precision), b, 1, self.precision)
         parts = max(self.slot_parts) + 1
         slot_shape = self.out_shape[: self.slot_axis] + self.out_shape[self.slot_axis + 1 :]
-        a = self.param("a", init_a, (*self.in_shape, parts * r), self.dtype)
+        a = self.param("a", self.init_a, (*self.in_shape, parts * r), self.dtype)
         b = self.param("b", nn.initializers.zeros, (len(self.slot_parts), r, *slot_shape), self.dtype)
         low = few_rows.tensordot(x, a, n_in, self.precision)
         low = low.reshape(*low.shape[:-1], parts, r)[..., np.asarray(self.slot_parts), :]  # [.., slots, r]

@@ -32,7 +32,7 @@ from safetensors import SafetensorError, safe_open
 from s3d_jax import quant
 from s3d_jax.checkpoint import CheckpointError, Model, check_params, save_safetensors
 from s3d_jax.config import ModelConfig, validate_skip
-from s3d_jax.model import abstract_params
+from s3d_jax.model import abstract_params, join_qkv
 from s3d_jax.options import check_int
 
 FORMAT = 2  # 1: one adapter per projection, before q, k, v and gate, up were fused (read, and fused, by `load_file`)
@@ -182,9 +182,7 @@ def fuse_adapters(lora: dict) -> dict:
             a = [lora[(layer, module, part, "a")] for part in parts]
             b = [lora[(layer, module, part, "b")] for part in parts]
             if fused == "qkv_lora":  # [r, H, E], [r, K, E] x2 -> [G + 2, r, K, E]
-                rank, K, E = b[1].shape
-                q = b[0].reshape(rank, K, -1, E).transpose(2, 0, 1, 3)
-                slots = np.concatenate([q, b[1][None], b[2][None]])
+                slots = join_qkv(*b, num_kv_heads=b[1].shape[1], axis=0)
             else:  # [r, F] x2 -> [2, r, F]
                 slots = np.stack(b)
             out[(layer, module, fused, "a")] = np.concatenate(a, axis=-1)

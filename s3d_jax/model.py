@@ -39,6 +39,23 @@ NEG_INF = jnp.finfo(jnp.float32).min
 init_normal = nn.initializers.normal(stddev=0.02)
 
 
+# The fused `qkv`'s slot layout (above), for the model, conversion and old drafter files alike.
+def qkv_slot_parts(group: int) -> tuple[int, ...]:
+    """Which projection (0 q, 1 k, 2 v) each of the G + 2 slots holds."""
+    return (0,) * group + (1, 2)
+
+
+def split_qkv(qkv, group: int):
+    """`[.., K, G + 2, E]` -> queries `[.., K, G, E]`, keys `[.., K, E]`, values `[.., K, E]`."""
+    return qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
+
+
+def join_qkv(q, k, v, num_kv_heads: int, axis: int = -2) -> np.ndarray:
+    """Queries `[.., H, E]` and keys, values `[.., K, E]` as slots along `axis` of `[.., K, E]` (numpy)."""
+    q = q.reshape(*q.shape[:-2], num_kv_heads, q.shape[-2] // num_kv_heads, q.shape[-1])
+    return np.concatenate([np.moveaxis(q, -2, axis), np.expand_dims(k, axis), np.expand_dims(v, axis)], axis=axis)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Band:
@@ -89,8 +106,8 @@ def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool, bi
     if bias:
         y = y + module.param(f"{name}_bias", nn.initializers.zeros, tuple(out_shape), c.jnp_dtype)
     if c.draft_lora_rank:
-        lora = DraftLoRA(c.draft_lora_rank, tuple(in_shape), tuple(out_shape), c.jnp_dtype, c.precision, slot_parts, slot_axis,
-                         name=f"{name}_lora")
+        lora = DraftLoRA(c.draft_lora_rank, tuple(in_shape), tuple(out_shape), c.jnp_dtype, c.precision, init_normal, slot_parts,
+                         slot_axis, name=f"{name}_lora")
         if draft or module.is_initializing():
             y = y + lora(x)
     return y
@@ -158,9 +175,9 @@ class Attention(nn.Module):
         D, H, K, E = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         G = H // K
         B, T = x_BTD.shape[:2]
-        qkv_BTKPE = linear(self, "qkv", x_BTD, (D,), (K, G + 2, E), draft, c.qkv_bias, (0,) * G + (1, 2), 1)  # P = G + 2
-        q_BTHE = qkv_BTKPE[..., :G, :].reshape(B, T, H, E)
-        k_BTKE, v_BTKE = qkv_BTKPE[..., G, :], qkv_BTKPE[..., G + 1, :]
+        qkv_BTKPE = linear(self, "qkv", x_BTD, (D,), (K, G + 2, E), draft, c.qkv_bias, qkv_slot_parts(G), 1)  # P = G + 2
+        q_BTKGE, k_BTKE, v_BTKE = split_qkv(qkv_BTKPE, G)
+        q_BTHE = q_BTKGE.reshape(B, T, H, E)
         if c.qk_norm:
             q_BTHE = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, name="q_norm")(q_BTHE)
             k_BTKE = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, name="k_norm")(k_BTKE)

@@ -15,7 +15,7 @@ import s3d_jax
 from s3d_jax import Model, drafter
 from s3d_jax.cache import KVCache, cached_forward
 from s3d_jax.drafter import DrafterError
-from s3d_jax.model import NEG_INF, draft_head_logits, head_logits
+from s3d_jax.model import NEG_INF, draft_head_logits, head_logits, init_normal
 from s3d_jax.speculative import Plan, draft_s3d
 
 SKIP, GAMMA, RANK = (2, 3), 3, 4
@@ -274,7 +274,7 @@ def test_a_format_1_file_s_separate_adapters_load_fused_with_the_same_products(t
     part = {name: np.einsum("td,dr,r...->t...", x, separate[(name, "a")], separate[(name, "b")]) for name in shapes}
 
     def fused(name, out_shape, slot_parts, slot_axis):
-        module = DraftLoRA(r, (D,), out_shape, jnp.float32, "highest", slot_parts, slot_axis)
+        module = DraftLoRA(r, (D,), out_shape, jnp.float32, "highest", init_normal, slot_parts, slot_axis)
         params = {"a": lora[("layer_0", "attn" if name == "qkv" else "mlp", f"{name}_lora", "a")],
                   "b": lora[("layer_0", "attn" if name == "qkv" else "mlp", f"{name}_lora", "b")]}
         return np.asarray(module.apply({"params": params}, x))

@@ -30,7 +30,7 @@ from s3d_jax import quant
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import ModelConfig
 from s3d_jax.convert.readers import GroupedTensor
-from s3d_jax.model import abstract_params
+from s3d_jax.model import abstract_params, join_qkv, split_qkv
 
 FUSED_ARCHITECTURES = ("phi3",)  # whose checkpoints hold qkv_proj and gate_up_proj
 
@@ -161,14 +161,12 @@ IGNORED = (re.compile(r".*\.rotary_emb\.inv_freq"),)  # buffers some old checkpo
 
 
 def _join_qkv(q, k, v, c: ModelConfig):  # [.., H, E], [.., K, E] x2 -> [.., K, G + 2, E]
-    K = c.num_kv_heads
-    q = q.reshape(*q.shape[:-2], K, c.num_heads // K, q.shape[-1])
-    return np.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
+    return join_qkv(q, k, v, c.num_kv_heads)
 
 
 def _split_qkv(qkv, c: ModelConfig):
-    G = c.num_heads // c.num_kv_heads
-    return qkv[..., :G, :].reshape(*qkv.shape[:-3], c.num_heads, qkv.shape[-1]), qkv[..., G, :], qkv[..., G + 1, :]
+    q, k, v = split_qkv(qkv, c.num_heads // c.num_kv_heads)
+    return q.reshape(*q.shape[:-3], c.num_heads, q.shape[-1]), k, v
 
 
 def _join_gate_up(gate, up, c: ModelConfig):  # [.., F] x2 -> [.., 2, F]
@@ -201,11 +199,13 @@ def _fused_name(path: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2)) if m and m.group(2) in FUSED else None
 
 
-def _each(fn, arrays):
-    """`fn` over plain arrays, or over each part (values, scale, min) of quantized ones."""
-    if quant.is_quantized(arrays[0]):
-        return {key: fn(*[a[key] for a in arrays]) for key in arrays[0]}
-    return fn(*arrays)
+def _each(fn, arrays, pieces: int | None = None):
+    """`fn` over plain arrays, or over each component (values, scale, min) of quantized ones; where `fn`
+    returns `pieces` arrays, each piece of a quantized weight is a quantized weight of its own."""
+    if not quant.is_quantized(arrays[0]):
+        return fn(*arrays)
+    done = {key: fn(*[a[key] for a in arrays]) for key in arrays[0]}
+    return done if pieces is None else [{key: done[key][i] for key in done} for i in range(pieces)]
 
 
 def join_parts(flat: dict, config: ModelConfig) -> dict:
@@ -231,11 +231,7 @@ def split_parts(flat: dict, config: ModelConfig) -> dict:
             continue
         layer, name = found
         fused = FUSED[name]
-        if quant.is_quantized(w):
-            pieces = {key: fused.split(v, config) for key, v in w.items()}
-            split = [{key: pieces[key][i] for key in w} for i in range(len(fused.parts))]
-        else:
-            split = fused.split(w, config)
+        split = _each(lambda v, s=fused.split: s(v, config), [w], len(fused.parts))
         out.update({layer + part: piece for part, piece in zip(fused.parts, split, strict=True)})
     return out
 
