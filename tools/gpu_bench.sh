@@ -27,6 +27,12 @@ if [ "${1:-}" = "--wheels" ]; then
 fi
 
 STAGES="${*:-passes bench}"
+for stage in $STAGES; do
+  case "$stage" in
+    passes|bench|precisions|train) ;;
+    *) echo "unknown stage $stage: choose from passes, bench, precisions, train" >&2; exit 2 ;;
+  esac
+done
 LIMIT="${LIMIT:-10}"
 SITE=/tmp/s3d_site
 if [ "$STAGES" = passes ]; then
@@ -44,7 +50,8 @@ python3 -c "import jax; d = jax.devices()[0]; print('device:', d.device_kind, d.
 
 shape() {  # pass costs of a named shape: shape NAME DTYPE [VAR=VALUE ...]
   echo "== $1 $2 ${*:3}"
-  env "${@:3}" python3 -m s3d_jax.predict --shape "$1" --dtype "$2" 2>> "$OUT/passes.log" | grep -E "^pass costs|^at the"
+  env "${@:3}" python3 -m s3d_jax.predict --shape "$1" --dtype "$2" 2>> "$OUT/passes.log" | grep -E "^pass costs|^at the" \
+    || echo "failed: see $OUT/passes.log"  # the other shapes still run
 }
 
 for stage in $STAGES; do
@@ -78,8 +85,5 @@ train)
   python3 -m s3d_jax.train --config configs/smollm2_small.py --workdir "$OUT/drafter" 2> "$OUT/train.log" | tail -n 3
   python3 -m s3d_jax.bench --drafter "$OUT/drafter/drafter.safetensors" --suite mt_bench,humaneval,news --limit "$LIMIT" \
     --max-new-tokens 256 --peers "" --out "$OUT/bench_trained" | tee "$OUT/bench_trained.txt" ;;
-*)
-  echo "unknown stage $stage: choose from passes, bench, precisions, train" >&2
-  exit 2 ;;
 esac
 done
