@@ -197,6 +197,25 @@ def test_bench_precisions_on_a_tiny_model(tmp_path):
     assert (out / "precisions.png").stat().st_size > 0 and "| int8 |" in (out / "precisions.md").read_text()
 
 
+def test_decode_ab_times_each_kind_of_iteration_on_a_tiny_model(tmp_path):
+    save_chat_model(tmp_path / "model", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
+    result = subprocess.run(
+        [sys.executable, "tools/decode_ab.py", "--model", str(tmp_path / "model"), "--drafter", "none", "--tree", "4",
+         "--per-iteration", "3", "--repeats", "1"],
+        capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1], env={**os.environ, "S3D_JAX_CALIBRATE": "0"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if "ms per iteration" in line]
+    assert [row.split("  ")[0].strip() for row in rows] == ["plain", "s3d", "s3d, never drafting", "s3d, always drafting"]
+    assert rows[0].endswith("1.000x plain's")
+
+
+def test_decode_ab_on_a_named_shape_times_iterations_only():
+    result = subprocess.run([sys.executable, "tools/decode_ab.py", "--shape", "smollm2_135m"], capture_output=True, text=True,
+                            timeout=120, cwd=Path(__file__).parents[1])
+    assert result.returncode == 2 and "add --per-iteration" in result.stderr
+
+
 def test_bench_precisions_needs_float32_first():
     result = subprocess.run([sys.executable, "tools/bench_precisions.py", "--dtypes", "int8"], capture_output=True, text=True,
                             timeout=120, cwd=Path(__file__).parents[1])

@@ -6,6 +6,7 @@ the process kept busy while decoding, and whether each output equals plain greed
     S3D_JAX_FEW_ROW_SPIN_US=200 python tools/decode_ab.py      # the kernel's helpers spinning longer
     PYTHONPATH=/path/to/other/checkout python tools/decode_ab.py --tag before
     python tools/decode_ab.py --per-iteration 100            # ms per loop iteration, EOS ignored: the loop's own cost
+    python tools/decode_ab.py --per-iteration 40 --shape smollm2_135m   # the same on random weights of a named shape
 
 Never run it beside another heavy process: the ratios are only as steady as the machine.
 """
@@ -23,9 +24,16 @@ import jax
 import s3d_jax
 from s3d_jax import api
 from s3d_jax import options as options_lib
+from s3d_jax.predict.shapes import shape_model
+from s3d_jax.shapes import SHAPES
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, and explain how it works."
 KINDS = {"plain": dict(method="ar"), "s3d": {}, "s3d, never drafting": dict(min_certainty=1.0, lookup=False)}
+# Per iteration, a drafted iteration's cost too. Random weights repeat themselves, so S3D at its defaults
+# would copy them from the context many tokens an iteration and finish early: they run the other three.
+ITERATION_KINDS = {**KINDS, "s3d, always drafting": dict(min_certainty=0.0, lookup=False)}
+SHAPE_KINDS = {kind: kw for kind, kw in ITERATION_KINDS.items() if kind != "s3d"}
+SHAPE_PROMPT_TOKENS = 64  # random weights have no tokenizer: the prompt is this many token ids
 
 
 def main(argv=None) -> int:
@@ -36,13 +44,23 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="", help="a label printed at the start of each line")
     p.add_argument("--per-iteration", type=int, default=0, metavar="N",
                    help="instead: time N loop iterations of each kind from the same start, EOS ignored, and report ms per iteration")
+    p.add_argument("--tree", type=int, default=None, metavar="N",
+                   help="S3D's token tree of N nodes (default: the drafter's; the never- and always-drafting kinds need one)")
+    p.add_argument("--shape", choices=sorted(SHAPES),
+                   help="with --per-iteration: random weights of this named shape and the shipped drafter's recipe, "
+                        "instead of a model (no model file needed; --dtype applies)")
     options_lib.add_model_arguments(p)
     args = p.parse_args(argv)
+    if args.shape:
+        if not args.per_iteration:
+            p.error("--shape times loop iterations only (random weights write no text worth a tokens/s): add --per-iteration N")
+        prompt = [(7 * i + 1) % 1000 for i in range(SHAPE_PROMPT_TOKENS)]
+        return per_iteration(shape_model(args.shape, args.dtype or "float32"), prompt, False, args, SHAPE_KINDS)
     model = s3d_jax.load(**options_lib.load_arguments(args))
     if args.per_iteration:
-        return per_iteration(model, args)
+        return per_iteration(model, args.prompt, True, args, ITERATION_KINDS)
     decode = {kind: (lambda kw=kw: s3d_jax.decode(model, args.prompt, chat=True, max_new_tokens=args.max_new_tokens, **kw))
-              for kind, kw in KINDS.items()}
+              for kind, kw in with_tree(KINDS, args.tree).items()}
     for run in decode.values():  # compile and warm up
         run()
     speeds, cores, tokens = {kind: [] for kind in KINDS}, {kind: [] for kind in KINDS}, {}
@@ -62,14 +80,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def per_iteration(model, args) -> int:
+def with_tree(kinds: dict, tree: int | None) -> dict:
+    """Each S3D kind's keywords with `tree` where one was asked for."""
+    return {kind: kw if tree is None or kind == "plain" else {**kw, "tree": tree} for kind, kw in kinds.items()}
+
+
+def per_iteration(model, prompt, chat: bool, args, kinds: dict) -> int:
     """Milliseconds per iteration of each kind's compiled loop over the same N iterations after a warm-up
     of 5, rounds alternating: what an iteration costs, apart from how many tokens it emits."""
     runs = {}
-    for kind, kw in KINDS.items():
-        _, runs[kind], _ = api.prepare(model, args.prompt, chat=True, max_new_tokens=args.per_iteration * 8, eos_token_ids=(), **kw)
+    for kind, kw in with_tree(kinds, args.tree).items():
+        _, runs[kind], _ = api.prepare(model, prompt, chat=chat, max_new_tokens=args.per_iteration * 8, eos_token_ids=(), **kw)
         runs[kind].compile()
-    times = {kind: [] for kind in KINDS}
+    times = {kind: [] for kind in kinds}
     for _ in range(args.repeats):
         for kind, run in runs.items():
             state = run.advance(run.start(), 5)
@@ -78,7 +101,7 @@ def per_iteration(model, args) -> int:
             jax.block_until_ready(run.advance(state, 5 + args.per_iteration).tokens)
             times[kind].append((time.perf_counter() - start) / args.per_iteration * 1e3)
     plain = statistics.median(times["plain"])
-    for kind in KINDS:
+    for kind in kinds:
         ms = statistics.median(times[kind])
         print(f"{args.tag} {kind:20s} {ms:6.2f} ms per iteration  {ms / plain:.3f}x plain's".strip())
     return 0
