@@ -8,8 +8,8 @@ and how long it took) into `<cache root>/kernels/`, keyed on everything the bina
 checked against its recorded digest before every load: a truncated or foreign file is rebuilt.
 
 `matmul(x, w)` is the one entry point: the kernel where it applies (a CPU backend with one device,
-a float32, bfloat16, int8 or int4 weight (`quant`), at most `MAX_ROWS` rows (`MAX_QUANTIZED_ROWS` for
-int8 and int4), the switch on), `jnp.tensordot`
+a float32, bfloat16, int8 or int4 weight (`quant`), at most `MAX_ROWS` rows (`MAX_NARROW_ROWS` for
+bfloat16, int8 and int4), the switch on), `jnp.tensordot`
 everywhere else, with a quantized weight dequantized first. It is differentiable. Settings (docs/cpu.md):
 - `S3D_JAX_FEW_ROW_KERNEL`: `0`/`false`/`no`/`off` keeps every product on XLA's dot. It is read
   when a function is traced; the decode engine's caches key on it (`switch`).
@@ -48,8 +48,10 @@ TARGET = "s3d_few_row_matmul"
 TARGET_INT8 = "s3d_few_row_matmul_int8"
 TARGET_INT4 = "s3d_few_row_matmul_int4"
 MAX_ROWS = 16  # beyond this (prefill, training) XLA's dot is the faster one
-# A quantized weight's products stay in the kernel longer: XLA's dot would first dequantize the whole weight.
-MAX_QUANTIZED_ROWS = 64
+# A bfloat16 or quantized weight's products stay in the kernel longer: XLA's CPU dot widens the whole
+# weight to float32 first, and in a loop (the decode loop, a calibration's timing) it hoisted that
+# widening out of the loop, a float32 copy of the model held throughout (docs/cpu.md, "bfloat16").
+MAX_NARROW_ROWS = 64
 ENV_SWITCH = "S3D_JAX_FEW_ROW_KERNEL"
 ENV_THREADS = "S3D_JAX_FEW_ROW_THREADS"
 ENV_SPIN = "S3D_JAX_FEW_ROW_SPIN_US"
@@ -209,7 +211,7 @@ WEIGHT_DTYPES = (*INPUT_DTYPES, *QUANTIZED_WEIGHT_DTYPES)
 def applies(rows: int, x_dtype, w_dtype) -> bool:
     """Whether `matmul` uses the kernel for this product (decided when tracing)."""
     return (
-        0 < rows <= (MAX_QUANTIZED_ROWS if w_dtype in QUANTIZED_WEIGHT_DTYPES else MAX_ROWS)
+        0 < rows <= (MAX_ROWS if w_dtype == jnp.float32 else MAX_NARROW_ROWS)
         and x_dtype in INPUT_DTYPES
         and w_dtype in WEIGHT_DTYPES
         and jax.default_backend() == "cpu"

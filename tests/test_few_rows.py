@@ -70,6 +70,21 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, k, n, w_dtype
         assert np.array_equal(together[t], alone[0]), t
 
 
+@needs_kernel
+def test_a_bfloat16_weight_stays_in_the_kernel_past_sixteen_rows():
+    """XLA's CPU dot widens a bfloat16 weight to float32 first, and in a loop hoists that out (a float32
+    copy of the model held throughout): such products stay in the kernel up to `MAX_NARROW_ROWS` rows,
+    each row still bit for bit what it is alone."""
+    rows = few_rows.MAX_ROWS + 1
+    assert few_rows.applies(rows, jnp.float32, jnp.bfloat16) and not few_rows.applies(rows, jnp.float32, jnp.float32)
+    assert not few_rows.applies(few_rows.MAX_NARROW_ROWS + 1, jnp.float32, jnp.bfloat16)
+    x, w = random((rows, 64), 4).astype(jnp.bfloat16), random((64, 96), 5).astype(jnp.bfloat16)
+    assert few_rows.TARGET in jax.jit(few_rows.matmul).lower(x, w).as_text()
+    together = np.asarray(jax.jit(few_rows.matmul)(x, w), np.float32)
+    alone = np.asarray(jax.jit(few_rows.matmul)(x[-1:], w), np.float32)
+    assert np.array_equal(together[-1], alone[0])
+
+
 def test_trailing_input_axes_and_leading_batch_axes():
     """Like `jnp.tensordot`: a `[B, T, H, E]` input against an `[H, E, D]` weight (the attention output)."""
     x, w = random((2, 3, 4, 8), 4), random((4, 8, 48), 5)
