@@ -46,6 +46,6 @@ class DraftLoRA(nn.Module):
         low = few_rows.matmul(x, a, n_in, self.precision)
         low = low.reshape(*low.shape[:-1], parts, r)[..., np.asarray(self.slot_parts), :]  # [.., slots, r]
         lead = low.ndim - 2
-        y = jax.lax.dot_general(low, b, (((lead + 1,), (1,)), ((lead,), (0,))), precision=self.precision,
+        y = jax.lax.dot_general(low.astype(b.dtype), b, (((lead + 1,), (1,)), ((lead,), (0,))), precision=self.precision,
                                 preferred_element_type=jnp.float32)  # [slots, .., *slot_shape]
         return jnp.moveaxis(y, 0, lead + self.slot_axis).astype(x.dtype)

@@ -15,7 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from s3d_jax.config import ModelConfig
+from s3d_jax.config import COMPUTE_DTYPE, ModelConfig
 from s3d_jax.model import causal_mask, full_pass, run_layers
 
 
@@ -29,8 +29,8 @@ class KVCache:
     def zeros(cls, config: ModelConfig, batch: int, max_len: int) -> KVCache:
         K, E, layers = config.num_kv_heads, config.head_dim, range(config.num_layers)
         return cls(
-            keys=tuple(jnp.zeros((batch, K, max_len, E), config.jnp_dtype) for _ in layers),
-            values=tuple(jnp.zeros((batch, K, E, max_len), config.jnp_dtype) for _ in layers),
+            keys=tuple(jnp.zeros((batch, K, max_len, E), COMPUTE_DTYPE) for _ in layers),
+            values=tuple(jnp.zeros((batch, K, E, max_len), COMPUTE_DTYPE) for _ in layers),
             lengths=jnp.zeros((batch,), jnp.int32),
         )
 

@@ -30,13 +30,14 @@ import platform
 import sys
 import time
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from s3d_jax import checkpoint, few_rows, sharding, tree
+from s3d_jax import few_rows, sharding, tree
 from s3d_jax.cache import KVCache
 from s3d_jax.checkpoint import Model
 from s3d_jax.decoding import compile_ahead
@@ -238,14 +239,22 @@ def machine() -> str:
             f"jax {jax.__version__}, jaxlib {jaxlib.__version__}; few-row kernel {'on' if few_rows.switched_on() else 'off'}")
 
 
+@functools.cache
+def code_digest() -> str:
+    """The package's Python source: a pass costs what its code makes of it, which a release or an edit changes."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def cache_file(model: Model):
     c = model.config
     drafter = {"skip": c.draft_skip, "gamma": c.draft_gamma, "lora_rank": c.draft_lora_rank, "draft_vocab": c.draft_vocab_size}
     fields = {"machine": machine(), "model": c.replace(draft_skip=None, draft_gamma=None, draft_lora_rank=0, draft_vocab_size=0,
                                                       draft_tree=0).to_json(),
               "drafter": drafter, "sizes": TREE_SIZES, "context": CONTEXT,
-              "kernel": few_rows.build_id() if few_rows.switched_on() else None,
-              "layout": checkpoint.FORMAT}  # the params' layout: fusing projections changed every pass's cost
+              "kernel": few_rows.build_id() if few_rows.switched_on() else None, "code": code_digest()}
     mesh = sharding.mesh_shape(model.params)
     if mesh:  # a model split over devices has costs of its own
         fields["mesh"] = mesh

@@ -18,8 +18,11 @@ ROPE_TYPES = ("linear", "llama3")  # supported RoPE scalings besides plain RoPE
 FLOAT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Weight-only formats (s3d_jax/quant.py): the projections' weights quantized, the rest in float32.
 QUANTIZED_DTYPES = ("int8", "int4")
-# A model's dtype and the float type its activations, norms and embeddings take.
+# A model's dtype and the float type of its unquantized weights.
 DTYPES = {**FLOAT_DTYPES, **{name: jnp.float32 for name in QUANTIZED_DTYPES}}
+# Activations and the KV cache at every dtype: rounded to 16 bits, a verify pass's last-bit differences
+# from a one-token step would become visible ones (docs/design.md, "Precision").
+COMPUTE_DTYPE = jnp.float32
 QUANT_GROUP = 32  # a quantized weight's entries per scale, along its input (s3d_jax/quant.py)
 
 
@@ -145,7 +148,7 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self):
-        """The float type of activations and unquantized weights."""
+        """The float type of unquantized weights (activations and the KV cache are float32)."""
         return DTYPES[self.dtype]
 
     @property

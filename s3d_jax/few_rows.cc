@@ -1,14 +1,15 @@
 // y = x @ w for a few rows of x (a decode pass: 1 to 16 tokens) against a large row-major weight, as
 // XLA FFI handlers for the CPU (s3d_jax/few_rows.py builds and registers them). The weight is float32,
-// bfloat16, int8 in groups of 32 rows with one float32 scale per group and column (GGUF's Q8_0), or
-// int4 in such groups with a float16 scale and minimum (GGUF's Q4_1; s3d_jax/quant.py has the layouts).
+// bfloat16, float16, int8 in groups of 32 rows with one float32 scale per group and column (GGUF's
+// Q8_0), or int4 in such groups with a float16 scale and minimum (GGUF's Q4_1; s3d_jax/quant.py has
+// the layouts).
 //
 // XLA's CPU dot streams the weight once for one row, but for 2-16 rows it packs the weight into
 // panels first, so a pass over 5 tokens costs about 2x a one-token step. Here the weight is read
 // once, 8 rows of it at a time, for all of x's rows together; x's row t is accumulated in y's row t,
-// which stays in the L1 cache. A bfloat16 weight is widened to float32 in registers (exactly: its
-// bits are a float32's upper half), so it sums the same way as its float32 value would; a quantized
-// one is summed as codes and scaled once per group (`AccumulateCodes`). Each output element is
+// which stays in the L1 cache. A bfloat16 or float16 weight is widened to float32 in registers
+// (exactly), so it sums the same way as its float32 value would; a quantized one is summed as codes
+// and scaled once per group (`AccumulateCodes`). Each output element is
 // summed over k in the same order whatever the number of rows or threads, so a token's logits do
 // not depend on how many tokens share its pass.
 #include <algorithm>
@@ -110,6 +111,15 @@ struct Bfloat16Weight {
     std::memcpy(&value, &bits, sizeof(value));
     return value;
   }
+  const char* Row(int64_t k) const { return reinterpret_cast<const char*>(w + k * N); }
+};
+struct Float16Weight {
+  const uint16_t* w;
+  int64_t N;
+  struct Group {};
+  Group GroupAt(int64_t, int64_t) const { return {}; }
+  Lanes Load16(int64_t k, int64_t n, Group) const { return WidenHalves(w + k * N + n); }
+  float Load1(int64_t k, int64_t n) const { return float(std::bit_cast<_Float16>(w[k * N + n])); }
   const char* Row(int64_t k) const { return reinterpret_cast<const char*>(w + k * N); }
 };
 // A float weight's columns per cache line.
@@ -381,8 +391,10 @@ ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBu
     Run(x.typed_data(), Float32Weight{static_cast<const float*>(w.untyped_data()), wd[1]}, y->typed_data(), xd[0], xd[1]);
   } else if (w.element_type() == ffi::DataType::BF16) {
     Run(x.typed_data(), Bfloat16Weight{static_cast<const uint16_t*>(w.untyped_data()), wd[1]}, y->typed_data(), xd[0], xd[1]);
+  } else if (w.element_type() == ffi::DataType::F16) {
+    Run(x.typed_data(), Float16Weight{static_cast<const uint16_t*>(w.untyped_data()), wd[1]}, y->typed_data(), xd[0], xd[1]);
   } else {
-    return ffi::Error::InvalidArgument("few_row_matmul: the weight must be float32 or bfloat16");
+    return ffi::Error::InvalidArgument("few_row_matmul: the weight must be float32, bfloat16 or float16");
   }
   return ffi::Error::Success();
 }

@@ -8,9 +8,9 @@ and how long it took) into `<cache root>/kernels/`, keyed on everything the bina
 checked against its recorded digest before every load: a truncated or foreign file is rebuilt.
 
 `matmul(x, w)` is the one entry point: the kernel where it applies (a CPU backend with one device,
-a float32, bfloat16, int8 or int4 weight (`quant`), at most `MAX_ROWS` rows (`MAX_NARROW_ROWS` for
-bfloat16, int8 and int4), the switch on), `jnp.tensordot`
-everywhere else, with a quantized weight dequantized first. It is differentiable. Settings (docs/cpu.md):
+a float32, bfloat16, float16, int8 or int4 weight (`quant`), at most `MAX_ROWS` rows
+(`MAX_NARROW_ROWS` for the narrower types), the switch on), `jnp.tensordot` everywhere else, with
+a quantized weight dequantized first. It is differentiable. Settings (docs/cpu.md):
 - `S3D_JAX_FEW_ROW_KERNEL`: `0`/`false`/`no`/`off` keeps every product on XLA's dot. It is read
   when a function is traced; the decode engine's caches key on it (`switch`).
 - `S3D_JAX_FEW_ROW_THREADS`: the threads sharing a product, read once per process; by default the
@@ -48,7 +48,7 @@ TARGET = "s3d_few_row_matmul"
 TARGET_INT8 = "s3d_few_row_matmul_int8"
 TARGET_INT4 = "s3d_few_row_matmul_int4"
 MAX_ROWS = 16  # beyond this (prefill, training) XLA's dot is the faster one
-# A bfloat16 or quantized weight's products stay in the kernel longer: XLA's CPU dot widens the whole
+# A 16-bit or quantized weight's products stay in the kernel longer: XLA's CPU dot widens the whole
 # weight to float32 first, and in a loop (the decode loop, a calibration's timing) it hoisted that
 # widening out of the loop, a float32 copy of the model held throughout (docs/cpu.md, "bfloat16").
 MAX_NARROW_ROWS = 64
@@ -203,7 +203,7 @@ def _registered() -> bool:
     return True
 
 
-INPUT_DTYPES = (jnp.float32, jnp.bfloat16)  # of x; the kernel sums in float32
+INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # of x; the kernel sums in float32
 QUANTIZED_WEIGHT_DTYPES = (jnp.int8, jnp.uint8)  # an int8 or int4 weight's values, with its scales (`quant`)
 WEIGHT_DTYPES = (*INPUT_DTYPES, *QUANTIZED_WEIGHT_DTYPES)
 
@@ -267,9 +267,14 @@ def tensordot(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
 
 def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
     """`x @ w` over x's last `n_in` axes and w's first `n_in`, as `jnp.tensordot` with the same
-    arguments; `w` may be a quantized weight (`quant`), which stands for its float32 value."""
+    arguments; `w` may be a quantized weight (`quant`), which stands for its float32 value.
+
+    With a 16-bit weight and float32 x (the model's activations), the kernel widens the weight in
+    registers and multiplies x as it is; XLA's dot multiplies x rounded to the weight's type, its
+    fast form (`tensordot`). Either way the result is float32."""
     quantized = quant.is_quantized(w)
     values = w["values"] if quantized else w
+    out_dtype = result_dtype(x.dtype, x.dtype if quantized else w.dtype, preferred_element_type)
     out_shape = values.shape[n_in:]
     lead = x.shape[: x.ndim - n_in]
     if not applies(math.prod(lead), x.dtype, values.dtype):
@@ -281,12 +286,13 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
             zero = (0 * x.reshape(-1)[0]).astype(w["scale"].dtype)
             w = quant.dense({**w, "scale": w["scale"] + zero}, n_in)
             w = w.astype(x.dtype) if jnp.dtype(x.dtype).itemsize < 4 else w  # as a float base in a 16-bit pass
-        return tensordot(x, w, n_in, precision, preferred_element_type)
+        elif jnp.dtype(w.dtype).itemsize < jnp.dtype(x.dtype).itemsize:
+            x = x.astype(w.dtype)
+        return tensordot(x, w, n_in, precision, out_dtype)
     K, N = math.prod(x.shape[x.ndim - n_in:]), math.prod(out_shape)
-    x_MK = x.reshape(math.prod(lead), K).astype(jnp.float32)  # exact from bfloat16
+    x_MK = x.reshape(math.prod(lead), K).astype(jnp.float32)  # exact from 16 bits
     if quantized:
         y = _quantized_kernel(x_MK, {k: v.reshape(-1, N) for k, v in w.items()})
     else:
         y = _kernel(x_MK, w.reshape(K, N))
-    dense_dtype = x.dtype if quantized else w.dtype  # a quantized weight's product takes x's type
-    return y.reshape(*lead, *out_shape).astype(result_dtype(x.dtype, dense_dtype, preferred_element_type))
+    return y.reshape(*lead, *out_shape).astype(out_dtype)

@@ -33,7 +33,7 @@ import numpy as np
 
 from s3d_jax import few_rows, quant
 from s3d_jax.adapters import DraftLoRA
-from s3d_jax.config import ModelConfig, RopeScaling
+from s3d_jax.config import COMPUTE_DTYPE, ModelConfig, RopeScaling
 
 NEG_INF = jnp.finfo(jnp.float32).min
 init_normal = nn.initializers.normal(stddev=0.02)
@@ -212,14 +212,12 @@ class Attention(nn.Module):
             ],
             axis=-1,
         )
-        probs = jax.nn.softmax(scores, axis=-1).astype(x_BTD.dtype)
-        # float32 results: XLA's CPU has a fast bfloat16 product only for those (few_rows.tensordot).
+        probs = jax.nn.softmax(scores, axis=-1)
         out_BTKGE = jnp.einsum("bkgts,bkes->btkge", probs[..., :S], context_v_BKES, preferred_element_type=f32, precision=c.precision)
         if band is not None:
             out_BTKGE += jnp.einsum("bkgtw,btwke->btkge", probs[..., S:], v_BTWKE, preferred_element_type=f32, precision=c.precision)
         else:
             out_BTKGE += jnp.einsum("bkgts,bkes->btkge", probs[..., S:], v_BKET, preferred_element_type=f32, precision=c.precision)
-        out_BTKGE = out_BTKGE.astype(x_BTD.dtype)
         out_BTD = linear(self, "o", out_BTKGE.reshape(B, T, H, E), (H, E), (D,), draft)
         return out_BTD, (k_BKTE, v_BKET)
 
@@ -302,9 +300,9 @@ class Transformer(nn.Module):
         of `layers`, at positions `context_positions_BS` (for sliding windows). `draft` applies the
         draft-only adapters, if the model has them.
         """
-        x_BTD = jnp.moveaxis(quant.columns(self.embedding, tokens_BT), 0, -1)
+        x_BTD = jnp.moveaxis(quant.columns(self.embedding, tokens_BT), 0, -1).astype(COMPUTE_DTYPE)
         if self.config.scale_embeddings:  # by sqrt(D) rounded to the weights' dtype, as transformers does
-            x_BTD = x_BTD * jnp.asarray(np.float32(self.config.hidden_size**0.5)).astype(x_BTD.dtype)
+            x_BTD = x_BTD * jnp.asarray(np.float32(self.config.hidden_size**0.5)).astype(self.config.jnp_dtype)
         block_kvs = []
         for layer, context_kv in zip(layers, context_kvs, strict=True):
             x_BTD, kv = self.blocks[layer](
@@ -335,8 +333,8 @@ class Transformer(nn.Module):
         """All layers over `tokens` with nothing before them (prompt pass, training target, `logits`)."""
         c = self.config
         B = tokens_BT.shape[0]
-        empty_k = jnp.zeros((B, c.num_kv_heads, 0, c.head_dim), c.jnp_dtype)
-        empty_v = jnp.zeros((B, c.num_kv_heads, c.head_dim, 0), c.jnp_dtype)
+        empty_k = jnp.zeros((B, c.num_kv_heads, 0, c.head_dim), COMPUTE_DTYPE)
+        empty_v = jnp.zeros((B, c.num_kv_heads, c.head_dim, 0), COMPUTE_DTYPE)
         no_context_BS = jnp.zeros((B, 0), jnp.int32)
         no_context_BTS = jnp.zeros((*mask_BTT.shape[:2], 0), bool)
         kvs = [(empty_k, empty_v)] * c.num_layers

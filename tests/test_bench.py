@@ -214,6 +214,9 @@ def test_decode_ab_on_a_named_shape_times_iterations_only():
     result = subprocess.run([sys.executable, "tools/decode_ab.py", "--shape", "smollm2_135m"], capture_output=True, text=True,
                             timeout=120, cwd=Path(__file__).parents[1])
     assert result.returncode == 2 and "add --per-iteration" in result.stderr
+    result = subprocess.run([sys.executable, "tools/decode_ab.py", "--shape", "smollm2_135m", "--per-iteration", "2", "--mesh", "model=2"],
+                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    assert result.returncode == 2 and "--mesh would be ignored" in result.stderr
 
 
 def test_bench_precisions_needs_float32_first():

@@ -57,6 +57,9 @@ def test_calibration_measures_once_per_machine_and_model(model, monkeypatch, cap
     # Another dtype or another drafter is another calibration.
     assert calibration.cache_file(Model(model.params, model.config.replace(dtype="bfloat16"))) != path
     assert calibration.cache_file(Model(model.params, model.config.replace(draft_gamma=2))) != path
+    with monkeypatch.context() as patch:  # and so is other code
+        patch.setattr(calibration, "code_digest", lambda: "another release")
+        assert calibration.cache_file(model) != path
     path.write_text("{not json")  # a damaged file is measured again, not an error
     assert calibration.calibrate(model, force=False).step == 1.0
 

@@ -13,7 +13,7 @@ from reference import numpy_logits, tiny_model
 import s3d_jax
 from s3d_jax import api, cpu, decoding, few_rows
 from s3d_jax.cache import KVCache, cached_forward
-from s3d_jax.model import lm_logits
+from s3d_jax.model import cast_params, lm_logits
 from s3d_jax.speculative import Plan, draft_s3d
 
 
@@ -91,6 +91,29 @@ def test_greedy_speculative_equals_plain_greedy(overrides, method, gamma, skip, 
     assert spec.tokens == plain.tokens
     assert all(len(t) == max_new for t in spec.tokens)
     assert sum(spec.stats.iterations) <= sum(plain.stats.iterations)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_weights_compute_as_float32_does(dtype):
+    """In passes of a few tokens a bfloat16 or float16 model is the float32 model of its rounded
+    weights: float32 activations and cache, and the kernel widens the weights exactly, so the hidden
+    states are the same bits. (Rounded to 16 bits, a verify pass's last-bit differences from a step
+    would become visible.)"""
+    if not few_rows.applies(8, jnp.float32, jnp.dtype(dtype)):
+        pytest.skip("the few-row kernel is off: XLA's dot takes the weights' 16-bit inputs")
+    model = tiny_model(seed=2)
+    narrow = s3d_jax.Model(cast_params(model.params, jnp.dtype(dtype)), model.config.replace(dtype=dtype))
+    widened = s3d_jax.Model(cast_params(narrow.params, jnp.float32), model.config)
+    tokens = jnp.asarray(random_prompts([4, 4], seed=3))
+    hidden = {}
+    for name, m in (("narrow", narrow), ("widened", widened)):
+        cache = KVCache.zeros(m.config, 2, 16)
+        assert all(k.dtype == jnp.float32 for k in cache.keys)
+        _, cache = cached_forward(m.params, m.config, cache, tokens, m.config.all_layers, True)
+        cache = cache.replace(lengths=cache.lengths + 4)
+        hidden[name], _ = cached_forward(m.params, m.config, cache, tokens[:, :2], m.config.all_layers, False)
+    assert hidden["narrow"].dtype == jnp.float32
+    np.testing.assert_array_equal(hidden["narrow"], hidden["widened"])
 
 
 @pytest.mark.parametrize("method", ["s3d", "selfspec"])

@@ -44,22 +44,34 @@ def test_kernel_equals_the_float64_product(rows, k, n):
 
 
 @needs_kernel
-@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("w_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("same_x", [False, True])
 @pytest.mark.parametrize("rows,k,n", SHAPES[:4])
-def test_bfloat16_weights_are_summed_in_float32_and_rounded_once(rows, k, n, x_dtype):
-    """A bfloat16 weight (and input) through the kernel: the float32 product of the same values, rounded
-    once to the result's dtype, as XLA's bfloat16 dot computes it."""
-    x, w = random((rows, k), 0).astype(x_dtype), random((k, n), 1).astype(jnp.bfloat16)
+def test_16_bit_weights_are_summed_in_float32_and_rounded_once(rows, k, n, same_x, w_dtype):
+    """A 16-bit weight (and float32 or same-type input) through the kernel: the float32 product of the
+    same values, rounded once to the result's dtype, as XLA's 16-bit dot computes it."""
+    x_dtype = w_dtype if same_x else jnp.float32
+    x, w = random((rows, k), 0).astype(x_dtype), random((k, n), 1).astype(w_dtype)
     assert few_rows.TARGET in jax.jit(few_rows.matmul).lower(x, w).as_text()
     y = jax.jit(few_rows.matmul)(x, w)
-    assert y.dtype == jnp.result_type(x_dtype, jnp.bfloat16)
+    assert y.dtype == jnp.result_type(x_dtype, w_dtype)
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    tolerance = 2e-6 * np.abs(exact).max() + (np.abs(exact) * 2.0**-8 if y.dtype == jnp.bfloat16 else 0)
+    tolerance = 2e-6 * np.abs(exact).max() + (np.abs(exact) * 2.0 ** -(jnp.finfo(y.dtype).nmant + 1) if same_x else 0)
     assert np.all(np.abs(np.asarray(y, np.float64) - exact) <= tolerance)
 
 
+def test_xlas_dot_takes_a_16_bit_weights_input_rounded_to_its_type():
+    """Past the kernel, a float32 input meets a bfloat16 weight in XLA's fast form: both operands in
+    bfloat16, a float32 result (not a float32 copy of the weight)."""
+    rows = few_rows.MAX_NARROW_ROWS + 1
+    x, w = random((rows, 64), 6), random((64, 96), 7).astype(jnp.bfloat16)
+    y = jax.jit(few_rows.matmul)(x, w)
+    assert y.dtype == jnp.float32
+    np.testing.assert_array_equal(y, jnp.tensordot(x.astype(jnp.bfloat16), w, axes=1, preferred_element_type=jnp.float32))
+
+
 @needs_kernel
-@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("rows,k,n", SHAPES)
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, k, n, w_dtype):
     """Bit for bit: a token's logits in a verify pass equal its logits in a one-token step."""
@@ -106,8 +118,8 @@ def test_gradients_equal_xlas():
 
 @pytest.mark.parametrize(
     "rows,x_dtype,w_dtype",
-    [(few_rows.MAX_ROWS + 1, jnp.float32, jnp.float32), (0, jnp.float32, jnp.float32), (4, jnp.float16, jnp.float16),
-     (4, jnp.float32, jnp.float16)],
+    [(few_rows.MAX_ROWS + 1, jnp.float32, jnp.float32), (0, jnp.float32, jnp.float32),
+     (few_rows.MAX_NARROW_ROWS + 1, jnp.float16, jnp.float16)],
 )
 def test_other_products_stay_on_xlas_dot(rows, x_dtype, w_dtype):
     assert not few_rows.applies(rows, x_dtype, w_dtype)

@@ -31,3 +31,17 @@ def test_quantized_with_the_shipped_drafter_is_exact_and_close_to_float32(dtype,
     # int8 rounds the weights (0.035 measured on a reply); int4 holds float32's own weights, summed in another order.
     bound = 0.1 if dtype == "int8" else 1e-3
     assert np.abs(quantized_logits - float_logits).max() < bound * np.abs(float_logits).max()
+
+
+def test_bfloat16_with_the_shipped_drafter_is_exact(smollm2_dir):
+    """bfloat16 weights compute in float32 (activations and cache), so S3D with a tree and the context
+    branch reproduces plain greedy at that precision. With bfloat16 activations and cache it did not:
+    a verify pass's last-bit differences from a step, rounded to 16 bits, became visible ones."""
+    import jax.numpy as jnp
+
+    model = drafter.apply(s3d_jax.load(smollm2_dir, dtype="bfloat16"), bundled.DRAFTER)
+    assert model.params["layer_0"]["mlp"]["down"].dtype == jnp.bfloat16
+    new_tokens = 2 * NEW_TOKENS
+    plain = s3d_jax.decode(model, CHATS, chat=True, method="ar", max_new_tokens=new_tokens)
+    out = s3d_jax.decode(model, CHATS, chat=True, max_new_tokens=new_tokens, min_certainty=0.0, tree=4, lookup=True)
+    assert out.tokens == plain.tokens

@@ -54,6 +54,10 @@ def main(argv=None) -> int:
     if args.shape:
         if not args.per_iteration:
             p.error("--shape times loop iterations only (random weights write no text worth a tokens/s): add --per-iteration N")
+        given = [f"--{name.replace('_', '-')}" for name in ("model", "drafter", "draft_vocab", "mesh")
+                 if getattr(args, name) not in (None, p.get_default(name))]
+        if given:
+            p.error(f"--shape builds its own model (random weights, the shipped drafter's recipe): {', '.join(given)} would be ignored")
         prompt = [(7 * i + 1) % 1000 for i in range(SHAPE_PROMPT_TOKENS)]
         return per_iteration(shape_model(args.shape, args.dtype or "float32"), prompt, False, args, SHAPE_KINDS)
     model = s3d_jax.load(**options_lib.load_arguments(args))

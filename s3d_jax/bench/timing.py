@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from s3d_jax.config import COMPUTE_DTYPE
+
 
 def bandwidth_gb_s(nbytes: int, repeats: int = 10) -> float:
     """Streaming read bandwidth in GB/s: the best of `repeats` matrix-vector products over a float32
@@ -40,5 +42,5 @@ def pass_bytes(params, config, layers, context: int, draft: bool = False) -> int
     weights = sum(x.nbytes for i in layers for path, x in jax.tree_util.tree_leaves_with_path(params[f"layer_{i}"])
                   if draft or "_lora" not in jax.tree_util.keystr(path))
     weights += head.nbytes + sum(x.nbytes for x in jax.tree.leaves(params["final_norm"]))
-    cache = 2 * len(layers) * config.num_kv_heads * config.head_dim * context * np.dtype(config.jnp_dtype).itemsize
+    cache = 2 * len(layers) * config.num_kv_heads * config.head_dim * context * np.dtype(COMPUTE_DTYPE).itemsize
     return int(weights + cache)
