@@ -9,7 +9,7 @@ import ml_collections
 import numpy as np
 
 from s3d_jax import bundled, checkpoint
-from s3d_jax.config import ModelConfig
+from s3d_jax.config import COMPUTE_DTYPE, ModelConfig
 from s3d_jax.model import abstract_params
 from s3d_jax.sharding import spec_for
 from s3d_jax.train.config import model_config_from, validate
@@ -36,10 +36,11 @@ def dry_run(cfg: ml_collections.ConfigDict) -> dict:
     t = cfg.train
     compute_bytes = jnp.dtype(t.compute_dtype).itemsize
     micro = max(t.batch_size // mesh_shape["data"], 1)
-    # Activations kept for the backward pass of the draft layers, plus the float32 logits.
+    # Activations (float32 at every dtype) kept for the backward pass of the draft layers, plus the float32 logits.
     draft_layers = len(config.draft_layers(trainer.objective.skip))
+    activation_bytes = jnp.dtype(COMPUTE_DTYPE).itemsize
     activations = micro * cfg.data.max_len * (
-        draft_layers * config.hidden_size * 34 * compute_bytes / mesh_shape["model"] + config.vocab_size * 4 * 3
+        draft_layers * config.hidden_size * 34 * activation_bytes / mesh_shape["model"] + config.vocab_size * 4 * 3
     )
     memory = {
         "params (float32 master)": per_device_bytes(params),
