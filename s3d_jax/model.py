@@ -196,8 +196,8 @@ class Attention(nn.Module):
         q_pos_BT1 = positions_BT[:, :, None]
         band = block_mask_BTT if isinstance(block_mask_BTT, Band) else None
         if band is not None:  # the block's keys t - j for each query t: a product and sum over E, no matmul
-            k_BTWKE, v_BTWKE = band.keys(k_BTKE.astype(f32)), band.keys(v_BTKE)
-            scores_blk = jnp.einsum("btkge,btwke->bkgtw", q_BTKGE.astype(f32), k_BTWKE, precision=c.precision) * scale
+            k_BTWKE, v_BTWKE = band.keys(k_BTKE), band.keys(v_BTKE)
+            scores_blk = jnp.einsum("btkge,btwke->bkgtw", q_BTKGE, k_BTWKE, precision=c.precision) * scale
             block_mask_BTT = band.mask_BTW & window_mask(q_pos_BT1, band.keys(positions_BT), window)
         else:
             scores_blk = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKTE, preferred_element_type=f32, precision=c.precision) * scale
