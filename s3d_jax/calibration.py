@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import sys
@@ -52,6 +53,7 @@ TREE_SIZES = (4, 8, 16, 24)  # the policy's candidate trees are 4, 8 and 16; 24 
 CONTEXT = 256  # cache positions filled while timing: a typical chat turn
 REPEATS = 5  # passes per timed run
 ROUNDS = 4  # timed runs of each pass, interleaved with the others'; a pass costs its fastest
+MIN_RUN_MS = 50  # the shortest timed run: shorter ones are repeated back to back
 BUSY_CORES = 0.25  # other processes' average use of this process's cores while calibrating, above which the costs are marked busy
 BUSY_RATIO = 1.3  # where that use cannot be read: the plain step's fastest and slowest rounds differing by more
 ENV_TRIES = "S3D_JAX_CALIBRATE_TRIES"
@@ -75,11 +77,16 @@ def pass_timer(model, pass_fn, context: int = 256, repeats: int = 20):
     # Compiled as the decode loop is; not kept in its cache, since `loop` closes over `pass_fn`.
     fn, _ = compile_ahead(jax.jit(loop, static_argnames="few_row_kernel"), model.params, cache, few_row_passes=True)
     jax.block_until_ready(fn(model.params, cache))  # warm up
+    # A timed run lasts MIN_RUN_MS at least: a GPU runs `repeats` passes in a few milliseconds, where one
+    # late launch would look like another process's load; the executions queue back to back.
+    start = time.perf_counter()
+    jax.block_until_ready(fn(model.params, cache))
+    calls = max(1, math.ceil(MIN_RUN_MS / ((time.perf_counter() - start) * 1e3)))
 
     def timed() -> float:
         start = time.perf_counter()
-        jax.block_until_ready(fn(model.params, cache))
-        return (time.perf_counter() - start) / repeats * 1e3
+        jax.block_until_ready([fn(model.params, cache) for _ in range(calls)])
+        return (time.perf_counter() - start) / (calls * repeats) * 1e3
 
     return timed
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import sys
+import time
 from pathlib import Path
+
+import tqdm
 
 SUITES = ("mt_bench", "humaneval", "news")
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```")
@@ -67,16 +71,24 @@ def run_turns(prompts: dict[str, list[dict]], generate) -> list[dict]:
     call; `messages` is None for a completion prompt. Each chat turn is a record of its own, and a
     later turn follows the engine's own earlier answers (MT-Bench's second turn)."""
     warm = next(iter(prompts.values()))[0]
+    start = time.perf_counter()
     generate(warm, None if "text" in warm else [{"role": "user", "content": warm["turns"][0]}])
+    print(f"warm-up turn: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     records = []
-    for suite, items in prompts.items():
-        for item in items:
-            messages = [] if "turns" in item else None
-            for turn, content in enumerate(item.get("turns", [None])):
-                if messages is not None:
-                    messages.append({"role": "user", "content": content})
-                record = generate(item, messages)
-                if messages is not None:
-                    messages.append({"role": "assistant", "content": record["text"]})
-                records.append({"suite": suite, "id": item["id"], "turn": turn, **record})
+    turns = sum(len(item.get("turns", [None])) for items in prompts.values() for item in items)
+    with tqdm.tqdm(total=turns, unit="turn", file=sys.stderr) as bar:
+        for suite, items in prompts.items():
+            for item in items:
+                messages = [] if "turns" in item else None
+                for turn, content in enumerate(item.get("turns", [None])):
+                    if messages is not None:
+                        messages.append({"role": "user", "content": content})
+                    record = generate(item, messages)
+                    if messages is not None:
+                        messages.append({"role": "assistant", "content": record["text"]})
+                    records.append({"suite": suite, "id": item["id"], "turn": turn, **record})
+                    # Compile time shows too: a turn in a new shape bucket compiles first.
+                    compiled = f", compiled {record['compile_seconds']:.1f} s" if record.get("compile_seconds") else ""
+                    bar.set_postfix_str(f"{suite} {len(record['tokens'])} tokens in {record['seconds']:.2f} s{compiled}", refresh=False)
+                    bar.update()
     return records
