@@ -71,7 +71,8 @@ def test_bench_smoke_on_a_tiny_model(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "s3d_jax.bench", "--model", str(tmp_path / "model"), "--suite", "mt_bench,humaneval,news",
-         "--limit", "1", "--max-new-tokens", "8", "--peers", "hf", "--skip", "2", "3", "--gamma", "3", "--out", str(out)],
+         "--limit", "1", "--max-new-tokens", "8", "--peers", "hf", "--skip", "2", "3", "--gamma", "3", "--max-len", "512",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -91,7 +92,8 @@ def test_bench_smoke_on_a_tiny_model(tmp_path):
 
 @pytest.mark.parametrize("args,message", [(["--suite", "gsm8k"], "unknown suite"), (["--methods", "medusa"], "unknown method"),
                                           (["--limit", "0"], "--limit must be at least 1"),
-                                          (["--gamma", "0"], "gamma must be >= 1, got 0")])
+                                          (["--gamma", "0"], "gamma must be >= 1, got 0"),
+                                          (["--max-len", "0"], "max_len must be >= 1, got 0")])
 def test_bench_bad_input(args, message):
     result = subprocess.run([sys.executable, "-m", "s3d_jax.bench", *args], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr

@@ -35,6 +35,10 @@ for stage in $STAGES; do
   esac
 done
 LIMIT="${LIMIT:-10}"
+# One cache size for every turn: each decode loop compiles once (on a GPU compiling the S3D loop
+# takes far longer than decoding a turn), and 1,024 positions fit every prompt of the three suites (at most 693
+# tokens, an MT-Bench second turn) with a reply of 256.
+MAX_LEN="${MAX_LEN:-1024}"
 SITE=/tmp/s3d_site
 if [ "$STAGES" = passes ]; then
   :  # random weights: nothing to install
@@ -69,13 +73,13 @@ passes)
 bench)
   PEERS=""
   python3 -c "import torch" 2>/dev/null && PEERS="hf,hf_early_exit,hf_prompt_lookup"
-  python3 -m s3d_jax.bench --suite mt_bench,humaneval,news --limit "$LIMIT" --max-new-tokens 256 --peers "$PEERS" \
-    --out "$OUT/bench" | tee "$OUT/bench.txt"
+  python3 -m s3d_jax.bench --suite mt_bench,humaneval,news --limit "$LIMIT" --max-new-tokens 256 --max-len "$MAX_LEN" \
+    --peers "$PEERS" --out "$OUT/bench" | tee "$OUT/bench.txt"
   # The S3D loop taking only plain steps: what the loop itself costs against plain decoding.
-  python3 -m s3d_jax.bench --suite mt_bench --limit "$LIMIT" --max-new-tokens 256 --methods ar,s3d --peers "" \
-    --min-certainty 1 --no-lookup --out "$OUT/bench_never_drafts" | tee "$OUT/bench_never_drafts.txt"
-  python3 -m s3d_jax.bench --dtype bfloat16 --suite mt_bench --limit "$LIMIT" --max-new-tokens 256 --methods ar,s3d \
-    --peers "" --out "$OUT/bench_bf16" | tee "$OUT/bench_bf16.txt"
+  python3 -m s3d_jax.bench --suite mt_bench --limit "$LIMIT" --max-new-tokens 256 --max-len "$MAX_LEN" --methods ar,s3d \
+    --peers "" --min-certainty 1 --no-lookup --out "$OUT/bench_never_drafts" | tee "$OUT/bench_never_drafts.txt"
+  python3 -m s3d_jax.bench --dtype bfloat16 --suite mt_bench --limit "$LIMIT" --max-new-tokens 256 --max-len "$MAX_LEN" \
+    --methods ar,s3d --peers "" --out "$OUT/bench_bf16" | tee "$OUT/bench_bf16.txt"
   python3 tools/bench_decode.py --skip-hf --prompts 4 --max-new-tokens 128 --gammas 4 --trees 0 8 16 --out "$OUT/decode" \
     --quiet | tee "$OUT/decode.txt"
   grep -E "^\| (mt_bench|humaneval|news) \| |^\| (plain|s3d draft|verify)" "$OUT"/bench*.txt "$OUT/decode.txt" || true ;;
@@ -87,6 +91,6 @@ train)
     --max-prompt-tokens 128 2> "$OUT/self_data.log" | tail -n 1
   python3 -m s3d_jax.train --config configs/smollm2_small.py --workdir "$OUT/drafter" 2> "$OUT/train.log" | tail -n 3
   python3 -m s3d_jax.bench --drafter "$OUT/drafter/drafter.safetensors" --suite mt_bench,humaneval,news --limit "$LIMIT" \
-    --max-new-tokens 256 --peers "" --out "$OUT/bench_trained" | tee "$OUT/bench_trained.txt" ;;
+    --max-new-tokens 256 --max-len "$MAX_LEN" --peers "" --out "$OUT/bench_trained" | tee "$OUT/bench_trained.txt" ;;
 esac
 done

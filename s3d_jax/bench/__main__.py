@@ -48,6 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=int, default=None, help="prompts per suite")
     add_arguments(p, methods=False)
     p.set_defaults(temperature=0.7, top_p=0.95)  # s3d_sample's (see the epilog)
+    p.add_argument("--max-len", type=int, default=None, metavar="N",
+                   help="cache positions for every turn (default: the smallest power of two that fits each): one size "
+                        "compiles each decode loop once, where a compile costs more than the run (a GPU)")
     p.add_argument("--early-exit-layer", type=int, default=8, help="draft depth of transformers' assistant_early_exit")
     p.add_argument("--out", default="results/bench")
     args = p.parse_args(argv)
