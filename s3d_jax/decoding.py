@@ -37,7 +37,7 @@ class DecodeState:
     iteration: jax.Array  # [] iterations run so far
     accept_histogram: jax.Array  # [B, reach+1]: iterations of each row that accepted k = 0..reach drafts
     branch_only: jax.Array  # [B]: iterations of each row that verified the context branch alone, with no draft pass
-    certainty: jax.Array  # [B] float32: the verifier's top probability where it picked x_n
+    certainty: jax.Array  # [B] float32: the verifier's top probability where it picked x_n (kept up to date by trees alone)
     plain_steps: jax.Array  # [B]: iterations of each row that were one plain step (certainty below `plan.min_certainty`)
 
 
@@ -99,19 +99,17 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
       DRAFTED       otherwise the S3D draft pass builds a tree, which is verified without the branch: on
                     a CPU every row of a verify pass costs time (docs/experiments.md, "A drafted tree verified alone").
 
-    Every kind only reads the cache; the nodes' keys and values are written after the choice, padded to
-    one shape, so that the `lax.switch` between them never holds a cache it must copy."""
-    G, reach, rows = plan.gamma, plan.reach, plan.nodes + 1
+    Every kind only reads the cache and returns its keys and values already in the accepted path's
+    order (`tree.along_path`), one shape for every kind: the `lax.switch` between them never holds a
+    cache it must copy, and one write after it leaves the cache contiguous."""
+    G, reach = plan.gamma, plan.reach
 
     def verify_tree(nodes):
         logits, block_kvs = tree.verify_block(params, config, state.cache, nodes, reach)
         k, emitted, path = tree.accept(accept_rng, nodes, logits, reach, plan.sampling)
         deepest = jnp.where(k > 0, jnp.take_along_axis(path, jnp.maximum(k - 1, 0)[:, None], axis=1)[:, 0], 0)
         certainty = top_probability(jnp.take_along_axis(logits, deepest[:, None, None], axis=1)[:, 0])  # where it picked the new x_n
-        pad = rows - nodes.tokens.shape[1]  # the slots past the block are stale, as any past n + k
-        block_kvs = tuple((jnp.pad(key, ((0, 0), (0, 0), (0, pad), (0, 0))), jnp.pad(value, ((0, 0), (0, 0), (0, 0), (0, pad))))
-                          for key, value in block_kvs)
-        return k, emitted, certainty, path, block_kvs
+        return k, emitted, certainty, tree.along_path(block_kvs, path)
 
     def drafted():
         _, draft_logits, _ = draft(params, config, plan, state.cache, x_n_B, draft_rng, state.tokens)
@@ -128,9 +126,8 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
         unpredictable = jnp.all((state.certainty < plan.min_certainty) | state.done)  # no active row worth a draft
         kind = jnp.where((kind == DRAFTED) & unpredictable, PLAIN_STEP, kind)
     kinds = sorted(passes)
-    k, emitted, certainty, path, block_kvs = jax.lax.switch(jnp.searchsorted(jnp.asarray(kinds), kind), [passes[c] for c in kinds])
-    cache = state.cache.write(config.all_layers, block_kvs)
-    return k, emitted, certainty, tree.compact(cache, path, k), kind
+    k, emitted, certainty, path_kvs = jax.lax.switch(jnp.searchsorted(jnp.asarray(kinds), kind), [passes[c] for c in kinds])
+    return k, emitted, certainty, state.cache.write(config.all_layers, path_kvs), kind
 
 
 def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> DecodeState:
@@ -145,7 +142,7 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
         drafts, draft_logits, cache = draft(params, config, plan, state.cache, x_n, draft_rng, state.tokens)
         target_logits, cache = verify(params, config, cache, x_n, drafts)
         k, emitted = accept(accept_rng, drafts, draft_logits, target_logits, plan.sampling)
-        certainty = top_probability(jnp.take_along_axis(target_logits, k[:, None, None], axis=1)[:, 0])
+        certainty = state.certainty  # only a tree's `min_certainty` reads it: plain decoding spends nothing on it
         kind = jnp.asarray(DRAFTED)
 
     # Keep the emitted tokens up to and including the first EOS, within max_new_tokens.

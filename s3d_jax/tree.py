@@ -19,7 +19,8 @@ a static N nodes is verified:
            its parent is accepted, and the deepest accepted node's pick is emitted after the path.
            Siblings hold distinct tokens, so at most one child matches: each emitted token is a sample
            of the verifier's distribution given the tokens before it, which makes sampling lossless.
-  compact  the accepted path's keys and values move to slots n+1 .. n+k, so the cache stays contiguous
+  along_path  the block's keys and values in the accepted path's order (x_n's, then path[0], ...), which
+           the decode loop writes at slot n: the cache stays contiguous with one write, no move after
 
 Shapes are static: N, γ and the batch fix every array. All of it runs inside the decode loop.
 """
@@ -195,17 +196,16 @@ def accept(rng, tree: Tree, target_logits_BTV, max_depth: int, sampling: Samplin
     return k, emitted, path
 
 
-def compact(cache: KVCache, path_BG, k_B) -> KVCache:
-    """Moves the accepted nodes' keys and values from slots `n + path[j]` to `n + 1 + j` (j < k)."""
-    G = path_BG.shape[1]
-    j = jnp.arange(G)[None, :]
-    source = cache.lengths[:, None] + jnp.where(j < k_B[:, None], path_BG, 1 + j)  # [B, G]; unaccepted stay put
+def along_path(block_kvs, path_BG):
+    """Each layer's block keys `[B, K, T, E]` and values `[B, K, E, T]` taken in the order of the accepted
+    path, `[x_n, path[0], .. path[G-1]]`: G+1 slots, of which those past k hold stale entries (masked,
+    as any past n + k). Written at slot n, slot n + j then holds the path's j-th token, as plain
+    decoding would have written it."""
+    order = jnp.concatenate([jnp.zeros_like(path_BG[:, :1]), path_BG], axis=1)  # [B, G+1]
 
-    def move(buffer, axis):  # per row: gather the G source slots, write them at n + 1
-        def row(buf, src, at):
-            moved = jnp.take(buf, src, axis=axis - 1)
-            return jax.lax.dynamic_update_slice_in_dim(buf, moved, at, axis=axis - 1)
+    def take(x, axis):
+        shape = [1] * x.ndim
+        shape[0], shape[axis] = order.shape
+        return jnp.take_along_axis(x, order.reshape(shape), axis=axis, mode="clip")
 
-        return jax.vmap(row)(buffer, source, cache.lengths + 1)
-
-    return cache.replace(keys=tuple(move(k, 2) for k in cache.keys), values=tuple(move(v, 3) for v in cache.values))
+    return tuple((take(key, 2), take(value, 3)) for key, value in block_kvs)

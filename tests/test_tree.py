@@ -1,4 +1,4 @@
-"""Tree drafting: the tree, its attention mask, acceptance, cache compaction and exact decoding."""
+"""Tree drafting: the tree, its attention mask, acceptance, the accepted path written in order and exact decoding."""
 
 import jax
 import jax.numpy as jnp
@@ -75,9 +75,9 @@ def test_every_node_sees_exactly_its_path(model, size):
                                    err_msg=f"node {i}, path {path}")
 
 
-def test_accepting_the_greedy_path_compacts_the_cache(model):
+def test_the_greedy_path_written_in_its_order_is_plain_decoding_s_cache(model):
     """A tree holding the plain greedy continuation (not as the first choice) accepts all of it, and
-    the compacted cache equals the cache of plain decoding of the same tokens."""
+    its keys and values, written in the path's order, equal the cache of plain decoding of the same tokens."""
     config, gamma = model.config, 4
     prefix = np.random.default_rng(3).integers(0, 95, 6).tolist()
     x_n = 21
@@ -91,11 +91,11 @@ def test_accepting_the_greedy_path_compacts_the_cache(model):
     draft[..., config.mask_token_id] = -np.inf
     nodes = tree.build(jnp.asarray([x_n]), jnp.asarray(draft), 30)  # every mix of the two choices
     cache = _cache_after(model, prefix)
-    logits, cache = tree.verify(model.params, config, cache, nodes, gamma)
+    logits, block_kvs = tree.verify_block(model.params, config, cache, nodes, gamma)
     k, emitted, path = tree.accept(jax.random.key(0), nodes, logits, gamma, sampling.Sampling())
     assert int(k[0]) == gamma
     assert np.asarray(emitted)[0].tolist() == greedy[: gamma + 1]
-    cache = tree.compact(cache, path, k)
+    cache = cache.write(config.all_layers, tree.along_path(block_kvs, path))
     kept = len(prefix) + 1 + gamma
     _, reference = prompt_forward(model.params, config, jnp.asarray([prefix + [x_n] + greedy[:gamma]]), 48)
     for got, want in zip(cache.keys + cache.values, reference.keys + reference.values):
