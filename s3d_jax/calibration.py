@@ -81,7 +81,7 @@ def pass_timer(model, pass_fn, context: int = 256, repeats: int = 20):
     # late launch would look like another process's load; the executions queue back to back.
     start = time.perf_counter()
     jax.block_until_ready(fn(model.params, cache))
-    calls = max(1, math.ceil(MIN_RUN_MS / ((time.perf_counter() - start) * 1e3)))
+    calls = max(1, math.ceil(MIN_RUN_MS / max((time.perf_counter() - start) * 1e3, 1e-3)))
 
     def timed() -> float:
         start = time.perf_counter()
