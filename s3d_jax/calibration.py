@@ -25,7 +25,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 import os
 import platform
 import sys
@@ -53,7 +52,7 @@ TREE_SIZES = (4, 8, 16, 24)  # the policy's candidate trees are 4, 8 and 16; 24 
 CONTEXT = 256  # cache positions filled while timing: a typical chat turn
 REPEATS = 5  # passes per timed run
 ROUNDS = 4  # timed runs of each pass, interleaved with the others'; a pass costs its fastest
-MIN_RUN_MS = 50  # the shortest timed run: shorter ones are repeated back to back
+MIN_RUN_MS = 50  # the shortest timed run: a pass's loop runs again until it has lasted this long
 BUSY_CORES = 0.25  # other processes' average use of this process's cores while calibrating, above which the costs are marked busy
 BUSY_RATIO = 1.3  # where that use cannot be read: the plain step's fastest and slowest rounds differing by more
 ENV_TRIES = "S3D_JAX_CALIBRATE_TRIES"
@@ -77,16 +76,15 @@ def pass_timer(model, pass_fn, context: int = 256, repeats: int = 20):
     # Compiled as the decode loop is; not kept in its cache, since `loop` closes over `pass_fn`.
     fn, _ = compile_ahead(jax.jit(loop, static_argnames="few_row_kernel"), model.params, cache, few_row_passes=True)
     jax.block_until_ready(fn(model.params, cache))  # warm up
-    # A timed run lasts MIN_RUN_MS at least: a GPU runs `repeats` passes in a few milliseconds, where one
-    # late launch would look like another process's load; the executions queue back to back.
-    start = time.perf_counter()
-    jax.block_until_ready(fn(model.params, cache))
-    calls = max(1, math.ceil(MIN_RUN_MS / max((time.perf_counter() - start) * 1e3, 1e-3)))
 
     def timed() -> float:
-        start = time.perf_counter()
-        jax.block_until_ready([fn(model.params, cache) for _ in range(calls)])
-        return (time.perf_counter() - start) / (calls * repeats) * 1e3
+        # The loop runs again until MIN_RUN_MS have passed: a GPU runs `repeats` passes in a few
+        # milliseconds, where one late launch would look like another process's load.
+        start, runs = time.perf_counter(), 0
+        while (elapsed := time.perf_counter() - start) * 1e3 < MIN_RUN_MS or runs == 0:
+            jax.block_until_ready(fn(model.params, cache))
+            runs += 1
+        return elapsed / (runs * repeats) * 1e3
 
     return timed
 

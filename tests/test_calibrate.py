@@ -168,15 +168,15 @@ def test_each_pass_costs_its_fastest_round(model, monkeypatch):
 
 
 def test_a_timed_run_lasts_long_enough_that_one_late_launch_does_not_look_like_load(model, monkeypatch):
-    """A tiny model's passes take well under a millisecond, as a small model's do on a GPU: the runs
-    are repeated back to back up to MIN_RUN_MS, and the cost is still per pass."""
+    """A tiny model's passes take well under a millisecond, as a small model's do on a GPU: the loop
+    runs again until MIN_RUN_MS have passed, and the cost is still per pass."""
     monkeypatch.setattr(calibration, "MIN_RUN_MS", 300)
     timer = calibration.pass_timer(model, calibration.verify_pass(model, 1), context=8, repeats=2)
     start = time.perf_counter()
     ms = timer()
     wall_ms = (time.perf_counter() - start) * 1e3
-    assert wall_ms > 0.5 * calibration.MIN_RUN_MS
-    assert 0 < ms < wall_ms / 10  # many passes in the run
+    assert wall_ms >= calibration.MIN_RUN_MS
+    assert 0 < ms <= wall_ms / 2  # per pass, not per run
 
 
 def test_costs_measured_on_a_busy_machine_are_measured_again_by_the_next_processes(model, monkeypatch, capsys):
