@@ -50,7 +50,7 @@ from s3d_jax.speedup import Policy, choose_policy
 ENV_SWITCH = "S3D_JAX_CALIBRATE"
 TREE_SIZES = (4, 8, 16, 24)  # the policy's candidate trees are 4, 8 and 16; 24 bounds their branch-alone passes (N + γ slots)
 CONTEXT = 256  # cache positions filled while timing: a typical chat turn
-REPEATS = 5  # passes per timed run
+REPEATS = 5  # passes per jitted timing loop (a timed run repeats the loop for MIN_RUN_MS)
 ROUNDS = 4  # timed runs of each pass, interleaved with the others'; a pass costs its fastest
 MIN_RUN_MS = 50  # the shortest timed run: a pass's loop runs again until it has lasted this long
 BUSY_CORES = 0.25  # other processes' average use of this process's cores while calibrating, above which the costs are marked busy
