@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from s3d_jax.config import COMPUTE_DTYPE, ModelConfig
-from s3d_jax.model import causal_mask, full_pass, run_layers
+from s3d_jax.model import Prefix, causal_mask, full_pass, run_layers
 
 
 @flax.struct.dataclass
@@ -53,12 +53,10 @@ class KVCache:
         return self.replace(keys=tuple(keys), values=tuple(values))
 
 
-def attention_masks(lengths_B, block_len: int, max_len: int):
-    """Masks for a block at `lengths ..`: the cached context `[B, T, S]` and the block `[B, T, T]`.
-    Sliding windows are left to each layer (`model.Attention`), which knows its own."""
-    B, s = len(lengths_B), jnp.arange(max_len)
-    context_BTS = jnp.broadcast_to(s[None, None, :] < lengths_B[:, None, None], (B, block_len, max_len))
-    return context_BTS, jnp.broadcast_to(causal_mask(block_len), (B, block_len, block_len))
+def attention_masks(lengths_B, block_len: int):
+    """Masks for a block at `lengths ..`: the cached context (a `Prefix`: slots below each row's length)
+    and the block `[B, T, T]`. Sliding windows are left to each layer (`model.Attention`), which knows its own."""
+    return Prefix(lengths_B), jnp.broadcast_to(causal_mask(block_len), (len(lengths_B), block_len, block_len))
 
 
 def block_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], draft: bool = False,
@@ -69,7 +67,7 @@ def block_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers
     The block is a causal run at positions `lengths ..` unless `positions_BT` and `block_mask_BTT` say
     otherwise (a token tree)."""
     T = tokens_BT.shape[1]
-    context_mask, block_mask = attention_masks(cache.lengths, T, cache.max_len)
+    context_mask, block_mask = attention_masks(cache.lengths, T)
     block_mask = block_mask if block_mask_BTT is None else block_mask_BTT
     positions_BT = cache.block_positions(T) if positions_BT is None else positions_BT
     contexts = [(cache.keys[i], cache.values[i]) for i in layers]

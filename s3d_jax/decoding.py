@@ -127,7 +127,7 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
         kind = jnp.where((kind == DRAFTED) & unpredictable, PLAIN_STEP, kind)
     kinds = sorted(passes)
     k, emitted, certainty, path_kvs = jax.lax.switch(jnp.searchsorted(jnp.asarray(kinds), kind), [passes[c] for c in kinds])
-    return k, emitted, certainty, state.cache.write(config.all_layers, path_kvs), kind
+    return k, emitted, certainty, state.cache.write(config.all_layers, zip(*path_kvs)), kind
 
 
 def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> DecodeState:

@@ -1,5 +1,6 @@
-// y = x @ w for a few rows of x (a decode pass: 1 to 16 tokens) against a large row-major weight, as
-// XLA FFI handlers for the CPU (s3d_jax/few_rows.py builds and registers them). The weight is float32,
+// y = x @ w for a few rows of x (a decode pass: 1 to 16 tokens) against a large row-major weight, and
+// a pass's attention over the KV cache (`CacheScores`, `CacheValues`, at the end), as XLA FFI
+// handlers for the CPU (s3d_jax/few_rows.py builds and registers them). The weight is float32,
 // bfloat16, float16, int8 in groups of 32 rows with one float32 scale per group and column (GGUF's
 // Q8_0), or int4 in such groups with a float16 scale and minimum (GGUF's Q4_1; s3d_jax/quant.py has
 // the layouts).
@@ -23,6 +24,7 @@
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -424,6 +426,125 @@ ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi
   return ffi::Error::Success();
 }
 
+// Attention of a pass's few query rows over the cache: only slots below a row's `bound` (its cached
+// length) are read. XLA's dot reads every allocated slot, masked or not, so a step's attention cost
+// the allocation rather than the context. Every sum runs in a fixed order from slot 0 (or over E),
+// the same whatever the bound, the rows or the thread: a slot past a row's context has probability
+// exactly 0, so adding it would change nothing.
+typedef float Lanes8 __attribute__((vector_size(32)));
+typedef float Lanes4 __attribute__((vector_size(16)));
+// The 16 lanes' sum as a fixed tree of halves: the same order every time, in a few shuffles.
+inline float SumLanes(Lanes v) {
+  const Lanes8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Lanes4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// scores [B, K, R, S] = q [B, K, R, E] . keys [B, K, S, E] over E, for s < bound[b]; 0 beyond.
+// The lanes are 16 query rows, so a score is summed over e in order, one product at a time, whatever
+// the rows, slots or tiles around it; 8 slots at a time share each load of the queries.
+template <int kSlots>
+void ScoreSlots(const float* q_t, const float* keys, float* scores, int64_t rows, int64_t S, int64_t E, int64_t s) {
+  Lanes acc[kSlots] = {};
+  for (int64_t e = 0; e < E; ++e) {
+    const Lanes q = *reinterpret_cast<const Lanes*>(q_t + e * 16);
+    for (int j = 0; j < kSlots; ++j) acc[j] += q * keys[(s + j) * E + e];
+  }
+  for (int j = 0; j < kSlots; ++j)
+    for (int64_t i = 0; i < rows; ++i) scores[i * S + s + j] = acc[j][i];
+}
+
+void CacheScoresHead(const float* q, const float* keys, float* scores, int64_t R, int64_t S, int64_t E, int64_t n) {
+  thread_local std::vector<float> q_t;  // 16 rows' queries, transposed: [E, 16]
+  q_t.resize(E * 16);
+  for (int64_t r0 = 0; r0 < R; r0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, R - r0);
+    std::fill(q_t.begin(), q_t.end(), 0.0f);
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t e = 0; e < E; ++e) q_t[e * 16 + i] = q[(r0 + i) * E + e];
+    float* out = scores + r0 * S;
+    int64_t s = 0;
+    for (; s + 8 <= n; s += 8) ScoreSlots<8>(q_t.data(), keys, out, rows, S, E, s);
+    for (; s < n; ++s) ScoreSlots<1>(q_t.data(), keys, out, rows, S, E, s);
+  }
+  for (int64_t r = 0; r < R; ++r) std::memset(scores + r * S + n, 0, sizeof(float) * (S - n));
+}
+
+// out [B, K, R, E] = sum over s < bound[b] of probs [B, K, R, S] * values [B, K, E, S]. A lane holds
+// the slots s = lane (mod 16), summed from slot 0 on and then over the lanes by `SumLanes`, whatever
+// the bound (the last 16 slots padded with zeros) or the rows beside it.
+template <int kRows>
+void WeighValues(const float* probs, const Lanes* probs_tail, const float* values, float* out, int64_t S, int64_t E, int64_t n) {
+  const int64_t whole = n / 16 * 16;
+  for (int64_t e = 0; e < E; ++e) {
+    const float* v = values + e * S;
+    Lanes acc[kRows] = {};
+    for (int64_t s = 0; s < whole; s += 16) {
+      const Lanes vs = *reinterpret_cast<const Lanes*>(v + s);
+      for (int i = 0; i < kRows; ++i) acc[i] += *reinterpret_cast<const Lanes*>(probs + i * S + s) * vs;
+    }
+    if (whole < n) {
+      Lanes v_tail = {};
+      for (int64_t s = whole; s < n; ++s) v_tail[s - whole] = v[s];
+      for (int i = 0; i < kRows; ++i) acc[i] += probs_tail[i] * v_tail;
+    }
+    for (int i = 0; i < kRows; ++i) out[i * E + e] = SumLanes(acc[i]);
+  }
+}
+
+constexpr int kValueRows = 8;
+using WeighValuesFn = void (*)(const float*, const Lanes*, const float*, float*, int64_t, int64_t, int64_t);
+template <size_t... I>
+constexpr std::array<WeighValuesFn, sizeof...(I) + 1> WeighValuesTable(std::index_sequence<I...>) {
+  return {nullptr, WeighValues<I + 1>...};
+}
+constexpr auto kWeighValues = WeighValuesTable(std::make_index_sequence<kValueRows>());
+
+void CacheValuesHead(const float* probs, const float* values, float* out, int64_t R, int64_t S, int64_t E, int64_t n) {
+  const int64_t whole = n / 16 * 16;
+  for (int64_t r0 = 0; r0 < R; r0 += kValueRows) {
+    const int64_t rows = std::min<int64_t>(kValueRows, R - r0);
+    Lanes probs_tail[kValueRows] = {};
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t s = whole; s < n; ++s) probs_tail[i][s - whole] = probs[(r0 + i) * S + s];
+    kWeighValues[rows](probs + r0 * S, probs_tail, values, out + r0 * E, S, E, n);
+  }
+}
+
+ffi::Error CacheScores(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::S32> bound,
+                       ffi::ResultBuffer<ffi::F32> scores) {
+  const auto qd = q.dimensions(), kd = keys.dimensions(), bd = bound.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || bd.size() != 1 || qd[0] != kd[0] || qd[1] != kd[1] || qd[3] != kd[3] || bd[0] != qd[0]) {
+    return ffi::Error::InvalidArgument("cache_scores: expected q [B, K, R, E], keys [B, K, S, E] and bound [B]");
+  }
+  const int64_t B = qd[0], K = qd[1], R = qd[2], E = qd[3], S = kd[2];
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = std::clamp<int64_t>(bound.typed_data()[b], 0, S);
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t head = b * K + k;
+      CacheScoresHead(q.typed_data() + head * R * E, keys.typed_data() + head * S * E, scores->typed_data() + head * R * S, R, S, E, n);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CacheValues(ffi::Buffer<ffi::F32> probs, ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> bound,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  const auto pd = probs.dimensions(), vd = values.dimensions(), bd = bound.dimensions();
+  if (pd.size() != 4 || vd.size() != 4 || bd.size() != 1 || pd[0] != vd[0] || pd[1] != vd[1] || pd[3] != vd[3] || bd[0] != pd[0]) {
+    return ffi::Error::InvalidArgument("cache_values: expected probs [B, K, R, S], values [B, K, E, S] and bound [B]");
+  }
+  const int64_t B = pd[0], K = pd[1], R = pd[2], S = pd[3], E = vd[2];
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = std::clamp<int64_t>(bound.typed_data()[b], 0, S);
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t head = b * K + k;
+      CacheValuesHead(probs.typed_data() + head * R * S, values.typed_data() + head * E * S, out->typed_data() + head * R * E, R, S, E, n);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The threads sharing each product (the caller included) and the helpers' spin after a product, in
@@ -452,4 +573,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt4, FewRowMatmulInt4,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dCacheScores, CacheScores,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dCacheValues, CacheValues,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -10,8 +10,12 @@ checked against its recorded digest before every load: a truncated or foreign fi
 `matmul(x, w)` is the one entry point: the kernel where it applies (a CPU backend with one device,
 a float32, bfloat16, float16, int8 or int4 weight (`quant`), at most `MAX_ROWS` rows
 (`MAX_NARROW_ROWS` for the narrower types), the switch on), `jnp.tensordot` everywhere else, with
-a quantized weight dequantized first. It is differentiable. Settings (docs/cpu.md):
-- `S3D_JAX_FEW_ROW_KERNEL`: `0`/`false`/`no`/`off` keeps every product on XLA's dot. It is read
+a quantized weight dequantized first. It is differentiable.
+
+`cache_scores` and `cache_values` are a decode pass's attention over the KV cache, reading each
+row's slots below its cached length only, where XLA's dot reads every allocated slot
+(`model.Prefix`; `reads_cache_prefix` says when they apply). Settings (docs/cpu.md):
+- `S3D_JAX_FEW_ROW_KERNEL`: `0`/`false`/`no`/`off` keeps every product and the attention on XLA's dot. It is read
   when a function is traced; the decode engine's caches key on it (`switch`).
 - `S3D_JAX_FEW_ROW_THREADS`: the threads sharing a product, read once per process; by default the
   CPUs this process may run on, at most 8 (more add no bandwidth).
@@ -47,6 +51,8 @@ SOURCE = Path(__file__).with_name("few_rows.cc")
 TARGET = "s3d_few_row_matmul"
 TARGET_INT8 = "s3d_few_row_matmul_int8"
 TARGET_INT4 = "s3d_few_row_matmul_int4"
+TARGET_CACHE_SCORES = "s3d_cache_scores"
+TARGET_CACHE_VALUES = "s3d_cache_values"
 MAX_ROWS = 16  # beyond this (prefill, training) XLA's dot is the faster one
 # A 16-bit or quantized weight's products stay in the kernel longer: XLA's CPU dot widens the whole
 # weight to float32 first, and in a loop (the decode loop, a calibration's timing) it hoisted that
@@ -180,7 +186,8 @@ def _load(path: Path) -> dict:
     """The library's handlers by FFI target, its helper threads configured."""
     library = ctypes.cdll.LoadLibrary(str(path))
     handlers = {TARGET: library.S3dFewRowMatmul, TARGET_INT8: library.S3dFewRowMatmulInt8,  # AttributeError: not our library
-                TARGET_INT4: library.S3dFewRowMatmulInt4}
+                TARGET_INT4: library.S3dFewRowMatmulInt4, TARGET_CACHE_SCORES: library.S3dCacheScores,
+                TARGET_CACHE_VALUES: library.S3dCacheValues}
     configure = library.S3dFewRowConfigure
     configure.argtypes = [ctypes.c_int64, ctypes.c_int64]
     configure(threads(), spin_microseconds())
@@ -296,3 +303,52 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
     else:
         y = _kernel(x_MK, w.reshape(K, N))
     return y.reshape(*lead, *out_shape).astype(out_dtype)
+
+
+def reads_cache_prefix(*dtypes) -> bool:
+    """Whether attention over the cache uses the kernel, which reads each row's slots below its cached
+    length only (`cache_scores`, `cache_values`), for float32 queries and cache (decided when tracing)."""
+    return (all(d == jnp.float32 for d in dtypes) and jax.default_backend() == "cpu" and jax.device_count() == 1
+            and available())
+
+
+def context_scores(q_BTKGE, keys_BKSE, lengths_B=None, precision=None):
+    """`[B, K, G, T, S]`: the queries' dots with the context's keys. With `lengths_B` (the cache's,
+    `model.Prefix`) a slot at or past its row's length is 0, and the kernel, where it applies, never
+    reads it; XLA's dot reads every slot."""
+    B, T, K, G, E = q_BTKGE.shape
+    if lengths_B is not None and reads_cache_prefix(q_BTKGE.dtype, keys_BKSE.dtype):
+        q_BKRE = q_BTKGE.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, E)
+        return cache_scores(q_BKRE, keys_BKSE, lengths_B).reshape(B, K, G, T, -1)
+    return jnp.einsum("btkge,bkse->bkgts", q_BTKGE, keys_BKSE, preferred_element_type=jnp.float32, precision=precision)
+
+
+def context_values(probs_BKGTS, values_BKES, lengths_B=None, precision=None):
+    """`[B, T, K, G, E]`: the context's values weighted by `probs`, which must be 0 at a slot at or past
+    its row's length where `lengths_B` is given (the kernel does not read those)."""
+    B, K, G, T, S = probs_BKGTS.shape
+    if lengths_B is not None and reads_cache_prefix(probs_BKGTS.dtype, values_BKES.dtype):
+        out_BKRE = cache_values(probs_BKGTS.reshape(B, K, G * T, S), values_BKES, lengths_B)
+        return out_BKRE.reshape(B, K, G, T, -1).transpose(0, 3, 1, 2, 4)
+    return jnp.einsum("bkgts,bkes->btkge", probs_BKGTS, values_BKES, preferred_element_type=jnp.float32, precision=precision)
+
+
+def cache_scores(q_BKRE, keys_BKSE, lengths_B):
+    """`[B, K, R, S]`: each query row's dot with each cached key, over E, at the slots `s < lengths[b]`
+    of its row; 0 at the others, which the caller masks. Slots past a row's length are never read."""
+    B, K, R, _ = q_BKRE.shape
+    return _cache_call(TARGET_CACHE_SCORES, (B, K, R, keys_BKSE.shape[2]), q_BKRE, keys_BKSE, lengths_B)
+
+
+def cache_values(probs_BKRS, values_BKES, lengths_B):
+    """`[B, K, R, E]`: each query row's probabilities times the cached values, summed over the slots
+    `s < lengths[b]` of its row, the only ones read (the others must have probability 0)."""
+    B, K, R, _ = probs_BKRS.shape
+    return _cache_call(TARGET_CACHE_VALUES, (B, K, R, values_BKES.shape[2]), probs_BKRS, values_BKES, lengths_B)
+
+
+def _cache_call(target, shape, x, cached, lengths_B):
+    if not _registered():
+        raise RuntimeError("attention over the cache needs the few-row CPU kernel, which is unavailable here (see the warning above)")
+    out = jax.ShapeDtypeStruct(shape, jnp.float32)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, cached, lengths_B.astype(jnp.int32))

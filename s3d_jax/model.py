@@ -71,6 +71,17 @@ class Band:
         return jnp.stack([padded[:, W - 1 - j : W - 1 - j + T] for j in range(W)], axis=2)
 
 
+@dataclasses.dataclass
+class Prefix:
+    """A context mask as a prefix, row b seeing slots `s < lengths_B[b]` (the KV cache): on a CPU
+    attention then reads those slots only (`few_rows.context_scores`)."""
+
+    lengths_B: jax.Array
+
+    def mask(self, T: int, S: int):
+        return jnp.broadcast_to(jnp.arange(S)[None, None, :] < self.lengths_B[:, None, None], (len(self.lengths_B), T, S))
+
+
 def window_mask(q_pos, k_pos, sliding_window: int | None):
     """Keys within the sliding window of each query (everything when there is no window)."""
     if sliding_window is None:
@@ -191,7 +202,10 @@ class Attention(nn.Module):
         k_BKTE, v_BKET = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 3, 1)
         context_k_BKSE, context_v_BKES = context_kv
         f32, scale = jnp.float32, (c.query_pre_attn_scalar or E) ** -0.5
-        scores_ctx = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, context_k_BKSE, preferred_element_type=f32, precision=c.precision) * scale
+        S = context_k_BKSE.shape[2]
+        lengths_B = context_mask_BTS.lengths_B if isinstance(context_mask_BTS, Prefix) else None  # the cache's
+        context_mask_BTS = context_mask_BTS.mask(T, S) if lengths_B is not None else context_mask_BTS
+        scores_ctx = few_rows.context_scores(q_BTKGE, context_k_BKSE, lengths_B, c.precision) * scale
         window = c.layer_window(self.layer)
         q_pos_BT1 = positions_BT[:, :, None]
         band = block_mask_BTT if isinstance(block_mask_BTT, Band) else None
@@ -204,16 +218,10 @@ class Attention(nn.Module):
             block_mask_BTT = block_mask_BTT & window_mask(q_pos_BT1, positions_BT[:, None, :], window)
         scores_ctx, scores_blk = softcap(scores_ctx, c.attn_softcap), softcap(scores_blk, c.attn_softcap)
         context_mask_BTS = context_mask_BTS & window_mask(q_pos_BT1, context_positions_BS[:, None, :], window)
-        S = scores_ctx.shape[-1]
-        scores = jnp.concatenate(
-            [
-                jnp.where(context_mask_BTS[:, None, None], scores_ctx, NEG_INF),
-                jnp.where(block_mask_BTT[:, None, None], scores_blk, NEG_INF),
-            ],
-            axis=-1,
-        )
+        scores = jnp.concatenate([jnp.where(context_mask_BTS[:, None, None], scores_ctx, NEG_INF),
+                                  jnp.where(block_mask_BTT[:, None, None], scores_blk, NEG_INF)], axis=-1)
         probs = jax.nn.softmax(scores, axis=-1)
-        out_BTKGE = jnp.einsum("bkgts,bkes->btkge", probs[..., :S], context_v_BKES, preferred_element_type=f32, precision=c.precision)
+        out_BTKGE = few_rows.context_values(probs[..., :S], context_v_BKES, lengths_B, c.precision)
         if band is not None:
             out_BTKGE += jnp.einsum("bkgtw,btwke->btkge", probs[..., S:], v_BTWKE, preferred_element_type=f32, precision=c.precision)
         else:
@@ -250,14 +258,7 @@ class Block(nn.Module):
             return RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, name=name)
 
         attn_out, kv = Attention(c, self.layer, name="attn")(
-            norm("attn_norm")(x_BTD),
-            positions_BT,
-            context_kv,
-            context_positions_BS,
-            context_mask_BTS,
-            block_mask_BTT,
-            draft,
-        )
+            norm("attn_norm")(x_BTD), positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft)
         if c.post_norms:
             attn_out = norm("attn_post_norm")(attn_out)
         h_BTD = x_BTD + attn_out

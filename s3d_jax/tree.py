@@ -19,8 +19,9 @@ a static N nodes is verified:
            its parent is accepted, and the deepest accepted node's pick is emitted after the path.
            Siblings hold distinct tokens, so at most one child matches: each emitted token is a sample
            of the verifier's distribution given the tokens before it, which makes sampling lossless.
-  along_path  the block's keys and values in the accepted path's order (x_n's, then path[0], ...), which
-           the decode loop writes at slot n: the cache stays contiguous with one write, no move after
+  along_path  the block's keys and values, every layer's stacked, in the accepted path's order (x_n's, then
+           path[0], ...), which the decode loop writes at slot n: the cache stays contiguous with one
+           write, no move after
 
 Shapes are static: N, γ and the batch fix every array. All of it runs inside the decode loop.
 """
@@ -197,15 +198,18 @@ def accept(rng, tree: Tree, target_logits_BTV, max_depth: int, sampling: Samplin
 
 
 def along_path(block_kvs, path_BG):
-    """Each layer's block keys `[B, K, T, E]` and values `[B, K, E, T]` taken in the order of the accepted
-    path, `[x_n, path[0], .. path[G-1]]`: G+1 slots, of which those past k hold stale entries (masked,
-    as any past n + k). Written at slot n, slot n + j then holds the path's j-th token, as plain
-    decoding would have written it."""
+    """The layers' block keys `[B, K, T, E]` and values `[B, K, E, T]`, stacked (`[L, ...]`, a layer per
+    row) and taken in the order of the accepted path, `[x_n, path[0], .. path[G-1]]`: G+1 slots, of
+    which those past k hold stale entries (masked, as any past n + k). Written at slot n (`zip(*...)`
+    gives the layers' pairs), slot n + j then holds the path's j-th token, as plain decoding would
+    have written it. Two stacked arrays leave a `lax.switch` as two buffers, where each layer's own
+    would be 2L of them, an operation each on every iteration."""
     order = jnp.concatenate([jnp.zeros_like(path_BG[:, :1]), path_BG], axis=1)  # [B, G+1]
 
     def take(x, axis):
         shape = [1] * x.ndim
-        shape[0], shape[axis] = order.shape
+        shape[1], shape[axis] = order.shape
         return jnp.take_along_axis(x, order.reshape(shape), axis=axis, mode="clip")
 
-    return tuple((take(key, 2), take(value, 3)) for key, value in block_kvs)
+    keys, values = (jnp.stack(parts) for parts in zip(*block_kvs))
+    return take(keys, 3), take(values, 4)

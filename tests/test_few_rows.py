@@ -226,3 +226,41 @@ def test_a_bad_setting_is_named(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=f"{name}='{value}': expected a whole number"):
         few_rows.threads() if name == few_rows.ENV_THREADS else few_rows.spin_microseconds()
+
+
+# Attention over the cache: (B, K, R query rows, S slots, E), and each row's cached length.
+CACHE_SHAPES = [((1, 3, 3, 256, 64), [200]), ((2, 2, 15, 77, 96), [0, 77]), ((3, 1, 4, 40, 20), [17, 1, 39])]
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape,lengths", CACHE_SHAPES)
+def test_attention_over_the_cache_reads_only_the_slots_below_each_row_s_length(shape, lengths):
+    """Scores and weighted values equal float64 numpy's over each row's first `lengths[b]` slots; every
+    slot past them holds NaN, which any read of it would carry into the result."""
+    B, K, R, S, E = shape
+    lengths = np.asarray(lengths, np.int32)
+    live = np.arange(S)[None, :] < lengths[:, None]  # [B, S]
+    q, keys, values = random((B, K, R, E), 0), np.array(random((B, K, S, E), 1)), np.array(random((B, K, E, S), 2))
+    probs = np.where(live[:, None, None, :], np.abs(np.asarray(random((B, K, R, S), 3))), 0).astype(np.float32)
+    keys.transpose(0, 2, 1, 3)[~live] = np.nan
+    values.transpose(0, 3, 1, 2)[~live] = np.nan
+    scores = np.asarray(jax.jit(few_rows.cache_scores)(q, jnp.asarray(keys), jnp.asarray(lengths)))
+    out = np.asarray(jax.jit(few_rows.cache_values)(jnp.asarray(probs), jnp.asarray(values), jnp.asarray(lengths)))
+    exact_scores = np.einsum("bkre,bkse->bkrs", np.asarray(q, np.float64), np.nan_to_num(keys.astype(np.float64)))
+    exact_out = np.einsum("bkrs,bkes->bkre", probs.astype(np.float64), np.nan_to_num(values.astype(np.float64)))
+    np.testing.assert_allclose(scores, np.where(live[:, None, None, :], exact_scores, 0), rtol=0, atol=2e-6 * np.abs(exact_scores).max())
+    np.testing.assert_allclose(out, exact_out, rtol=0, atol=2e-6 * np.abs(exact_out).max())
+
+
+@needs_kernel
+def test_a_rows_attention_does_not_depend_on_the_slots_or_rows_beside_it():
+    """One query row alone over its 200 slots, and the same row among 15 others over a longer cache
+    whose extra slots it gives probability 0: bit for bit the same scores and values (what keeps a
+    verify pass's tokens equal to plain steps')."""
+    q, keys, values, probs = random((1, 1, 16, 64), 0), random((1, 1, 300, 64), 1), random((1, 1, 64, 300), 2), random((1, 1, 16, 300), 3)
+    probs = jnp.abs(probs).at[..., 200:].set(0)
+    alone, beside = jnp.asarray([200]), jnp.asarray([260])
+    scores_alone, scores_beside = few_rows.cache_scores(q[:, :, 5:6], keys, alone), few_rows.cache_scores(q, keys, beside)
+    values_alone, values_beside = few_rows.cache_values(probs[:, :, 5:6], values, alone), few_rows.cache_values(probs, values, beside)
+    assert np.array_equal(scores_alone[..., :200], scores_beside[:, :, 5:6, :200])
+    assert np.array_equal(values_alone, values_beside[:, :, 5:6])

@@ -95,7 +95,7 @@ def test_the_greedy_path_written_in_its_order_is_plain_decoding_s_cache(model):
     k, emitted, path = tree.accept(jax.random.key(0), nodes, logits, gamma, sampling.Sampling())
     assert int(k[0]) == gamma
     assert np.asarray(emitted)[0].tolist() == greedy[: gamma + 1]
-    cache = cache.write(config.all_layers, tree.along_path(block_kvs, path))
+    cache = cache.write(config.all_layers, zip(*tree.along_path(block_kvs, path)))
     kept = len(prefix) + 1 + gamma
     _, reference = prompt_forward(model.params, config, jnp.asarray([prefix + [x_n] + greedy[:gamma]]), 48)
     for got, want in zip(cache.keys + cache.values, reference.keys + reference.values):

@@ -7,6 +7,7 @@ the process kept busy while decoding, and whether each output equals plain greed
     PYTHONPATH=/path/to/other/checkout python tools/decode_ab.py --tag before
     python tools/decode_ab.py --per-iteration 100            # ms per loop iteration, EOS ignored: the loop's own cost
     python tools/decode_ab.py --per-iteration 40 --shape smollm2_135m   # the same on random weights of a named shape
+    python tools/decode_ab.py --per-iteration 40 --max-len 2048          # the same with a cache of 2048 positions
 
 Never run it beside another heavy process: the ratios are only as steady as the machine.
 """
@@ -44,6 +45,8 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="", help="a label printed at the start of each line")
     p.add_argument("--per-iteration", type=int, default=0, metavar="N",
                    help="instead: time N loop iterations of each kind from the same start, EOS ignored, and report ms per iteration")
+    p.add_argument("--max-len", type=int, default=None, metavar="N",
+                   help="with --per-iteration: a cache of N positions (default: the smallest bucket that fits)")
     p.add_argument("--tree", type=int, default=None, metavar="N",
                    help="S3D's token tree of N nodes (default: the drafter's; the never- and always-drafting kinds need one)")
     p.add_argument("--shape", choices=sorted(SHAPES),
@@ -51,6 +54,8 @@ def main(argv=None) -> int:
                         "instead of a model (no model file needed; --dtype applies)")
     options_lib.add_model_arguments(p)
     args = p.parse_args(argv)
+    if args.max_len is not None and not args.per_iteration:
+        p.error("--max-len sizes the cache of --per-iteration's loops: add --per-iteration N")
     if args.shape:
         if not args.per_iteration:
             p.error("--shape times loop iterations only (random weights write no text worth a tokens/s): add --per-iteration N")
@@ -94,7 +99,8 @@ def per_iteration(model, prompt, chat: bool, args, kinds: dict) -> int:
     of 5, rounds alternating: what an iteration costs, apart from how many tokens it emits."""
     runs = {}
     for kind, kw in with_tree(kinds, args.tree).items():
-        _, runs[kind], _ = api.prepare(model, prompt, chat=chat, max_new_tokens=args.per_iteration * 8, eos_token_ids=(), **kw)
+        _, runs[kind], _ = api.prepare(model, prompt, chat=chat, max_new_tokens=args.per_iteration * 8, eos_token_ids=(),
+                                       max_len=args.max_len, **kw)
         runs[kind].compile()
     times = {kind: [] for kind in kinds}
     for _ in range(args.repeats):
