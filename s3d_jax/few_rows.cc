@@ -511,20 +511,25 @@ void CacheValuesHead(const float* probs, const float* values, float* out, int64_
   }
 }
 
+// Calls `head(b * K + k, n)` for every row b and KV head k, n being row b's bound clamped to [0, S].
+template <typename Head>
+void EachHead(ffi::Buffer<ffi::S32>& bound, int64_t K, int64_t S, Head head) {
+  for (int64_t b = 0; b < bound.dimensions()[0]; ++b) {
+    const int64_t n = std::clamp<int64_t>(bound.typed_data()[b], 0, S);
+    for (int64_t k = 0; k < K; ++k) head(b * K + k, n);
+  }
+}
+
 ffi::Error CacheScores(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::S32> bound,
                        ffi::ResultBuffer<ffi::F32> scores) {
   const auto qd = q.dimensions(), kd = keys.dimensions(), bd = bound.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || bd.size() != 1 || qd[0] != kd[0] || qd[1] != kd[1] || qd[3] != kd[3] || bd[0] != qd[0]) {
     return ffi::Error::InvalidArgument("cache_scores: expected q [B, K, R, E], keys [B, K, S, E] and bound [B]");
   }
-  const int64_t B = qd[0], K = qd[1], R = qd[2], E = qd[3], S = kd[2];
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = std::clamp<int64_t>(bound.typed_data()[b], 0, S);
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t head = b * K + k;
-      CacheScoresHead(q.typed_data() + head * R * E, keys.typed_data() + head * S * E, scores->typed_data() + head * R * S, R, S, E, n);
-    }
-  }
+  const int64_t K = qd[1], R = qd[2], E = qd[3], S = kd[2];
+  EachHead(bound, K, S, [&](int64_t head, int64_t n) {
+    CacheScoresHead(q.typed_data() + head * R * E, keys.typed_data() + head * S * E, scores->typed_data() + head * R * S, R, S, E, n);
+  });
   return ffi::Error::Success();
 }
 
@@ -534,14 +539,10 @@ ffi::Error CacheValues(ffi::Buffer<ffi::F32> probs, ffi::Buffer<ffi::F32> values
   if (pd.size() != 4 || vd.size() != 4 || bd.size() != 1 || pd[0] != vd[0] || pd[1] != vd[1] || pd[3] != vd[3] || bd[0] != pd[0]) {
     return ffi::Error::InvalidArgument("cache_values: expected probs [B, K, R, S], values [B, K, E, S] and bound [B]");
   }
-  const int64_t B = pd[0], K = pd[1], R = pd[2], S = pd[3], E = vd[2];
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = std::clamp<int64_t>(bound.typed_data()[b], 0, S);
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t head = b * K + k;
-      CacheValuesHead(probs.typed_data() + head * R * S, values.typed_data() + head * E * S, out->typed_data() + head * R * E, R, S, E, n);
-    }
-  }
+  const int64_t K = pd[1], R = pd[2], S = pd[3], E = vd[2];
+  EachHead(bound, K, S, [&](int64_t head, int64_t n) {
+    CacheValuesHead(probs.typed_data() + head * R * S, values.typed_data() + head * E * S, out->typed_data() + head * R * E, R, S, E, n);
+  });
   return ffi::Error::Success();
 }
 
