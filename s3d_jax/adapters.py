@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -20,8 +19,9 @@ class DraftLoRA(nn.Module):
     products: the parts' A factors side by side, then their B factors as one product batched over
     the output's slots along `slot_axis`, each slot reading its own part's low-rank vector (a KV
     group's G query heads read q's). B holds no zeros, so a draft reads no more bytes than separate
-    adapters would. The products go through `few_rows.matmul` as the projections' do: in bfloat16,
-    XLA's dot made a draft of 4 cost 0.88 plain steps against 0.80 (docs/cpu.md)."""
+    adapters would. The products go through the few-row kernel as the projections' do: in bfloat16,
+    XLA's dot made a draft of 4 cost 0.88 plain steps against 0.80 (docs/cpu.md), and its batched
+    dot for B cost a float32 draft of 4 about 1.8 ms more (docs/cpu.md, "The loop's own operations")."""
 
     rank: int
     in_shape: tuple[int, ...]
@@ -45,7 +45,8 @@ class DraftLoRA(nn.Module):
         b = self.param("b", nn.initializers.zeros, (len(self.slot_parts), r, *slot_shape), self.dtype)
         low = few_rows.matmul(x, a, n_in, self.precision)
         low = low.reshape(*low.shape[:-1], parts, r)[..., np.asarray(self.slot_parts), :]  # [.., slots, r]
-        lead = low.ndim - 2
-        y = jax.lax.dot_general(low.astype(b.dtype), b, (((lead + 1,), (1,)), ((lead,), (0,))), precision=self.precision,
-                                preferred_element_type=jnp.float32)  # [slots, .., *slot_shape]
-        return jnp.moveaxis(y, 0, lead + self.slot_axis).astype(x.dtype)
+        lead = low.shape[:-2]
+        low_SMR = jnp.moveaxis(low, -2, 0).reshape(len(self.slot_parts), -1, r)
+        y = few_rows.batched_matmul(low_SMR, b.reshape(*b.shape[:2], -1), self.precision)  # [slots, M, slot size]
+        y = y.reshape(len(self.slot_parts), *lead, *slot_shape)
+        return jnp.moveaxis(y, 0, len(lead) + self.slot_axis).astype(x.dtype)

@@ -313,6 +313,11 @@ class Run:
         self.compile()
         return self._executables[0](*self._prefill_args())
 
+    def loop_hlo(self) -> str:
+        """The compiled loop's HLO text: a profile's operations by the model code that made them (`tools/decode_ab.py --profile`)."""
+        self.compile()
+        return self._executables[1].as_text()
+
     def advance(self, state: DecodeState, stop_iteration: int) -> DecodeState:
         self.compile()
         return self._executables[1](self.params, state, jnp.asarray(stop_iteration, jnp.int32))

@@ -384,17 +384,25 @@ void Run(const float* x, const W& reader, float* y, int64_t M, int64_t K) {
   while (job->done.load(std::memory_order_acquire) < job->parts) std::this_thread::yield();
 }
 
+// x [M, K] by w [K, N], or a batch of them: x [S, M, K] by w [S, K, N], one product after another
+// (the fused draft adapters' B factors, a few small weights in one call).
 ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
-    return ffi::Error::InvalidArgument("few_row_matmul: expected x [M, K] and w [K, N]");
+  const size_t rank = xd.size();
+  if ((rank != 2 && rank != 3) || wd.size() != rank || xd[rank - 1] != wd[rank - 2] || (rank == 3 && xd[0] != wd[0])) {
+    return ffi::Error::InvalidArgument("few_row_matmul: expected x [M, K] and w [K, N], or x [S, M, K] and w [S, K, N]");
   }
+  const int64_t S = rank == 3 ? xd[0] : 1, M = xd[rank - 2], K = xd[rank - 1], N = wd[rank - 1];
+  const auto each = [&](auto reader_at) {
+    for (int64_t s = 0; s < S; ++s) Run(x.typed_data() + s * M * K, reader_at(s * K * N), y->typed_data() + s * M * N, M, K);
+  };
+  const char* base = static_cast<const char*>(w.untyped_data());
   if (w.element_type() == ffi::DataType::F32) {
-    Run(x.typed_data(), Float32Weight{static_cast<const float*>(w.untyped_data()), wd[1]}, y->typed_data(), xd[0], xd[1]);
+    each([&](int64_t at) { return Float32Weight{reinterpret_cast<const float*>(base) + at, N}; });
   } else if (w.element_type() == ffi::DataType::BF16) {
-    Run(x.typed_data(), Bfloat16Weight{static_cast<const uint16_t*>(w.untyped_data()), wd[1]}, y->typed_data(), xd[0], xd[1]);
+    each([&](int64_t at) { return Bfloat16Weight{reinterpret_cast<const uint16_t*>(base) + at, N}; });
   } else if (w.element_type() == ffi::DataType::F16) {
-    Run(x.typed_data(), Float16Weight{static_cast<const uint16_t*>(w.untyped_data()), wd[1]}, y->typed_data(), xd[0], xd[1]);
+    each([&](int64_t at) { return Float16Weight{reinterpret_cast<const uint16_t*>(base) + at, N}; });
   } else {
     return ffi::Error::InvalidArgument("few_row_matmul: the weight must be float32, bfloat16 or float16");
   }
@@ -546,6 +554,47 @@ ffi::Error CacheValues(ffi::Buffer<ffi::F32> probs, ffi::Buffer<ffi::F32> values
   return ffi::Error::Success();
 }
 
+// logits [B, T, L] = hidden [B, T, D] . head [D, V] at each row's columns ids [B, L], for the first
+// count[b] ids of row b; 0 beyond. The draft head's scores of a row's own context: only its live ids'
+// columns are read, where XLA gathered every slot's column first. Lanes hold 16 ids, one row d of the
+// table at a time, so each logit is summed over d in order whatever the ids or rows beside it.
+ffi::Error ContextLogits(ffi::Buffer<ffi::F32> hidden, ffi::Buffer<ffi::F32> head, ffi::Buffer<ffi::S32> ids,
+                         ffi::Buffer<ffi::S32> count, ffi::ResultBuffer<ffi::F32> logits) {
+  const auto hd = hidden.dimensions(), wd = head.dimensions(), id = ids.dimensions(), cd = count.dimensions();
+  if (hd.size() != 3 || wd.size() != 2 || id.size() != 2 || cd.size() != 1 || hd[2] != wd[0] || id[0] != hd[0] || cd[0] != hd[0]) {
+    return ffi::Error::InvalidArgument("context_logits: expected hidden [B, T, D], head [D, V], ids [B, L] and count [B]");
+  }
+  const int64_t B = hd[0], T = hd[1], D = hd[2], V = wd[1], L = id[1];
+  constexpr int kRows = 8;
+  thread_local std::vector<float> zeros;
+  zeros.assign(D, 0.0f);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = std::clamp<int64_t>(count.typed_data()[b], 0, L);
+    const int32_t* row_ids = ids.typed_data() + b * L;
+    float* out = logits->typed_data() + b * T * L;
+    std::memset(out, 0, sizeof(float) * T * L);
+    for (int64_t l0 = 0; l0 < n; l0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - l0);
+      int64_t columns[16] = {};
+      for (int64_t j = 0; j < m; ++j) columns[j] = std::clamp<int64_t>(row_ids[l0 + j], 0, V - 1);
+      for (int64_t t0 = 0; t0 < T; t0 += kRows) {
+        const float* h[kRows];
+        for (int i = 0; i < kRows; ++i) h[i] = t0 + i < T ? hidden.typed_data() + (b * T + t0 + i) * D : zeros.data();
+        Lanes acc[kRows] = {};
+        for (int64_t d = 0; d < D; ++d) {
+          const float* table_row = head.typed_data() + d * V;
+          Lanes w;
+          for (int j = 0; j < 16; ++j) w[j] = table_row[columns[j]];
+          for (int i = 0; i < kRows; ++i) acc[i] += h[i][d] * w;
+        }
+        for (int64_t i = 0; i < std::min<int64_t>(kRows, T - t0); ++i)
+          for (int64_t j = 0; j < m; ++j) out[(t0 + i) * L + l0 + j] = acc[i][j];
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The threads sharing each product (the caller included) and the helpers' spin after a product, in
@@ -587,5 +636,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dCacheValues, CacheValues,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dContextLogits, ContextLogits,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -53,6 +53,7 @@ TARGET_INT8 = "s3d_few_row_matmul_int8"
 TARGET_INT4 = "s3d_few_row_matmul_int4"
 TARGET_CACHE_SCORES = "s3d_cache_scores"
 TARGET_CACHE_VALUES = "s3d_cache_values"
+TARGET_CONTEXT_LOGITS = "s3d_context_logits"
 MAX_ROWS = 16  # beyond this (prefill, training) XLA's dot is the faster one
 # A 16-bit or quantized weight's products stay in the kernel longer: XLA's CPU dot widens the whole
 # weight to float32 first, and in a loop (the decode loop, a calibration's timing) it hoisted that
@@ -187,7 +188,7 @@ def _load(path: Path) -> dict:
     library = ctypes.cdll.LoadLibrary(str(path))
     handlers = {TARGET: library.S3dFewRowMatmul, TARGET_INT8: library.S3dFewRowMatmulInt8,  # AttributeError: not our library
                 TARGET_INT4: library.S3dFewRowMatmulInt4, TARGET_CACHE_SCORES: library.S3dCacheScores,
-                TARGET_CACHE_VALUES: library.S3dCacheValues}
+                TARGET_CACHE_VALUES: library.S3dCacheValues, TARGET_CONTEXT_LOGITS: library.S3dContextLogits}
     configure = library.S3dFewRowConfigure
     configure.argtypes = [ctypes.c_int64, ctypes.c_int64]
     configure(threads(), spin_microseconds())
@@ -229,7 +230,8 @@ def applies(rows: int, x_dtype, w_dtype) -> bool:
 
 @jax.custom_jvp
 def _kernel(x_MK, w_KN):
-    out = jax.ShapeDtypeStruct((x_MK.shape[0], w_KN.shape[1]), jnp.float32)
+    """`x @ w`, or with a leading batch axis on both (`[S, M, K]`, `[S, K, N]`) each `x[s] @ w[s]`."""
+    out = jax.ShapeDtypeStruct((*x_MK.shape[:-1], w_KN.shape[-1]), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x_MK, w_KN)
 
 
@@ -305,6 +307,16 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
     return y.reshape(*lead, *out_shape).astype(out_dtype)
 
 
+def batched_matmul(x_SMK, w_SKN, precision=None):
+    """`x[s] @ w[s]` for each s, in float32: the kernel where a product of M rows applies, else XLA's
+    batched dot. For the fused draft adapters' B factors (`adapters.DraftLoRA`), whose batched dot of
+    a few rows cost XLA more than the projection's own product (docs/cpu.md, "The loop's own operations")."""
+    if applies(x_SMK.shape[1], x_SMK.dtype, w_SKN.dtype):
+        return _kernel(x_SMK.astype(jnp.float32), w_SKN)
+    return jax.lax.dot_general(x_SMK.astype(w_SKN.dtype), w_SKN, (((2,), (1,)), ((0,), (0,))), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
 def reads_cache_prefix(*dtypes) -> bool:
     """Whether attention over the cache uses the kernel, which reads each row's slots below its cached
     length only (`cache_scores`, `cache_values`), for float32 queries and cache (decided when tracing)."""
@@ -331,6 +343,20 @@ def context_values(probs_BKGTS, values_BKES, lengths_B=None, precision=None):
         out_BKRE = cache_values(probs_BKGTS.reshape(B, K, G * T, S), values_BKES, lengths_B)
         return out_BKRE.reshape(B, K, G, T, -1).transpose(0, 3, 1, 2, 4)
     return jnp.einsum("bkgts,bkes->btkge", probs_BKGTS, values_BKES, preferred_element_type=jnp.float32, precision=precision)
+
+
+def column_logits(hidden_BTD, table_DV, ids_BL, counts_B, precision=None):
+    """`[B, T, L]`: each row's hidden states against the columns of a vocabulary table `[D, V]` at its
+    own ids, for the first `counts[b]` ids of row b; the others may hold anything, and the caller
+    drops them. The kernel, where it applies (a float32 table), reads only those ids' columns and
+    sets the others to 0; XLA gathers every id's column first, a cost that grows with L (the draft
+    head's context is the whole token buffer, `docs/cpu.md`, "The loop's own operations")."""
+    if reads_cache_prefix(hidden_BTD.dtype, getattr(table_DV, "dtype", None)):
+        out = jax.ShapeDtypeStruct((*hidden_BTD.shape[:2], ids_BL.shape[1]), jnp.float32)
+        return jax.ffi.ffi_call(TARGET_CONTEXT_LOGITS, out, vmap_method="sequential")(
+            hidden_BTD, table_DV, ids_BL.astype(jnp.int32), counts_B.astype(jnp.int32))
+    return jnp.einsum("btd,dbl->btl", hidden_BTD, quant.columns(table_DV, ids_BL), preferred_element_type=jnp.float32,
+                      precision=precision)
 
 
 def cache_scores(q_BKRE, keys_BKSE, lengths_B):

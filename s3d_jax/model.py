@@ -320,10 +320,9 @@ class Transformer(nn.Module):
         """Float32 logits over the whole embedding table (the mask row included)."""
         return few_rows.matmul(hidden_BTD, self.head(), precision=self.config.precision, preferred_element_type=jnp.float32)
 
-    def context_logits(self, hidden_BTD, ids_BL):
-        """Float32 logits of each row at its own token ids `ids_BL`, `[B, T, L]` (head columns gathered)."""
-        return jnp.einsum("btd,dbl->btl", hidden_BTD, quant.columns(self.head(), ids_BL), preferred_element_type=jnp.float32,
-                          precision=self.config.precision)
+    def context_logits(self, hidden_BTD, ids_BL, counts_B):
+        """Float32 logits of each row at its first `counts[b]` token ids `ids_BL`, `[B, T, L]` (the rest: any value)."""
+        return few_rows.column_logits(hidden_BTD, self.head(), ids_BL, counts_B, self.config.precision)
 
     def reduced_logits(self, hidden_BTD):
         """Float32 logits over the draft vocabulary only, `[B, T, draft_vocab_size]`."""
@@ -414,12 +413,12 @@ def head_logits(params, config: ModelConfig, hidden_BTD):
     return never_produced(lm_logits(params, config, hidden_BTD), config)
 
 
-def draft_head_logits(params, config: ModelConfig, hidden_BTD, context_BL=None):
+def draft_head_logits(params, config: ModelConfig, hidden_BTD, context_BL=None, context_lengths_B=None):
     """The draft pass's logits `[B, T, V]`: `head_logits`, or with a reduced draft vocabulary its
     scores at those ids and -inf everywhere else (so sampling and acceptance read them unchanged).
 
-    `context_BL`, each row's tokens so far (entries past them may hold any id, such as padding), adds
-    those ids to a reduced vocabulary: a reply copies names and identifiers from its prompt, and
+    `context_BL`, each row's tokens so far (the first `context_lengths_B[b]` of row b; default all),
+    adds those ids to a reduced vocabulary: a reply copies names and identifiers from its prompt, and
     those are what a list of frequent tokens misses (docs/design.md, "The reduced draft head")."""
     if not config.draft_vocab_size:
         return head_logits(params, config, hidden_BTD)
@@ -427,14 +426,16 @@ def draft_head_logits(params, config: ModelConfig, hidden_BTD, context_BL=None):
     full = jnp.full((*reduced.shape[:-1], config.vocab_size), NEG_INF, jnp.float32)
     full = full.at[..., params["draft_vocab"]].set(reduced)
     if context_BL is not None:
-        seen = softcap(context_logits(params, config, hidden_BTD, context_BL), config.final_softcap)
-        full = jax.vmap(lambda row, ids, scores: row.at[:, ids].set(scores))(full, context_BL, seen)
+        counts = jnp.full(context_BL.shape[:1], context_BL.shape[1]) if context_lengths_B is None else context_lengths_B
+        seen = softcap(context_logits(params, config, hidden_BTD, context_BL, counts), config.final_softcap)
+        ids = jnp.where(jnp.arange(context_BL.shape[1]) < counts[:, None], context_BL, config.vocab_size)  # past a row's context: dropped
+        full = jax.vmap(lambda row, ids, scores: row.at[:, ids].set(scores, mode="drop"))(full, ids, seen)
     return never_produced(full, config)
 
 
-def context_logits(params, config: ModelConfig, hidden_BTD, ids_BL):
-    """Each row's logits at its own ids `ids_BL` (not soft-capped), `[B, T, L]`."""
-    return Transformer(config).apply({"params": params}, hidden_BTD, ids_BL, method=Transformer.context_logits)
+def context_logits(params, config: ModelConfig, hidden_BTD, ids_BL, counts_B):
+    """Each row's logits at its first `counts[b]` ids `ids_BL` (not soft-capped), `[B, T, L]`."""
+    return Transformer(config).apply({"params": params}, hidden_BTD, ids_BL, counts_B, method=Transformer.context_logits)
 
 
 def reduced_logits(params, config: ModelConfig, hidden_BTD):

@@ -51,8 +51,18 @@ def log_probs(logits, sampling: Sampling):
     return jax.nn.log_softmax(logits, axis=-1)
 
 
+def argmax(logits):
+    """`jnp.argmax` over the last axis (the first of equal maxima), as two plain reductions: XLA's CPU
+    runs argmax's paired value-and-index reduction one element at a time, 0.8 ms for the 5 rows of a
+    verify over a 49k vocabulary against 0.3 ms for these (docs/cpu.md, "The loop's own operations").
+    A row with a NaN picks its last id."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    last = logits.shape[-1] - 1
+    return jnp.min(jnp.where(logits == top, jnp.arange(logits.shape[-1], dtype=jnp.int32), last), axis=-1)
+
+
 def choose(rng, logits, sampling: Sampling):
     """One token per distribution: argmax when greedy, else a sample."""
     if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     return jax.random.categorical(rng, log_probs(logits, sampling), axis=-1).astype(jnp.int32)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from s3d_jax.cache import KVCache, cached_forward
 from s3d_jax.config import ModelConfig
 from s3d_jax.model import draft_head_logits, head_logits
-from s3d_jax.sampling import Sampling, choose, log_probs
+from s3d_jax.sampling import Sampling, argmax, choose, log_probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ def draft_s3d(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_B, rn
     masks = jnp.full((B, plan.gamma - 1), config.mask_token_id, jnp.int32)
     block = jnp.concatenate([x_n_B[:, None], masks], axis=1)
     hidden, _ = cached_forward(params, config, cache, block, plan.draft_layers, write=False, draft=True)
-    logits = draft_head_logits(params, config, hidden, context_BL)
+    logits = draft_head_logits(params, config, hidden, context_BL, cache.lengths + 1)  # the context: x_0 .. x_n
     return choose(rng, logits, plan.sampling), logits, cache
 
 
@@ -82,7 +82,7 @@ def draft_selfspec(params, config: ModelConfig, plan: Plan, cache: KVCache, x_n_
         hidden, cache = cached_forward(
             params, config, cache.replace(lengths=n + j), token_B[:, None], plan.draft_layers, write=True, draft=True
         )
-        step_logits_BV = draft_head_logits(params, config, hidden, context_BL)[:, 0]
+        step_logits_BV = draft_head_logits(params, config, hidden, context_BL, n + 1)[:, 0]
         token_B = choose(rngs[j], step_logits_BV, plan.sampling)
         return token_B, drafts_BG.at[:, j].set(token_B), logits_BGV.at[:, j].set(step_logits_BV), cache
 
@@ -115,7 +115,7 @@ def accept(rng, drafts_BG, draft_logits_BGV, target_logits_BTV, sampling: Sampli
     (accept with min(1, p/q), resample the first rejection from norm(max(0, p - q)))."""
     B, G = drafts_BG.shape
     if sampling.greedy:
-        target_BT = jnp.argmax(target_logits_BTV, axis=-1).astype(jnp.int32)
+        target_BT = argmax(target_logits_BTV)
         agree = drafts_BG == target_BT[:, :G]
         k = jnp.sum(jnp.cumprod(agree, axis=1), axis=1)
         return k, target_BT  # target equals the draft wherever the draft was accepted

@@ -175,6 +175,20 @@ def test_mask_token_is_never_produced():
     assert model.config.mask_token_id not in out.tokens
 
 
+def test_greedy_argmax_picks_the_first_of_equal_maxima_as_jnp_argmax_does():
+    from s3d_jax.sampling import argmax
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 5, 1000)).astype(np.float32)
+    logits[0, :, [7, 900]] = 9.0  # ties: the first wins
+    logits[1, 2, :] = -np.inf  # NEG_INF everywhere but one
+    logits[1, 2, 500] = 0.0
+    logits[2] = np.round(logits[2])  # many ties
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    assert got.dtype == np.int32 and got[0, 0] == 7
+
+
 # ------------------------------------------------------------------ sampling
 
 

@@ -119,6 +119,21 @@ def test_reduced_head_also_scores_each_rows_context_exactly(tmp_path):
         assert np.all(logits[b][:, unscored] == NEG_INF)
 
 
+def test_reduced_head_scores_only_the_context_below_each_rows_length(tmp_path):
+    """Ids past a row's context length (`context_lengths_B`: padding, stale slots) are not scored."""
+    base, _, path = _file(tmp_path)
+    model = drafter.apply(base, path, draft_vocab_size=16)
+    config = model.config
+    frequent = set(np.asarray(model.params["draft_vocab"]).tolist())
+    rare = [t for t in range(config.vocab_size) if t not in frequent and t != config.mask_token_id][:4]
+    context = jnp.asarray([[rare[0], rare[1], rare[2], rare[3]]] * 2, jnp.int32)
+    hidden = jax.random.normal(jax.random.key(1), (2, 3, config.hidden_size))
+    logits = np.asarray(draft_head_logits(model.params, config, hidden, context, jnp.asarray([2, 4])))
+    everything = np.asarray(draft_head_logits(model.params, config, hidden, context))
+    assert np.all(logits[0][:, rare[2:]] == NEG_INF) and np.all(logits[0][:, rare[:2]] > NEG_INF)
+    np.testing.assert_array_equal(logits[1], everything[1])
+
+
 def test_a_drafter_without_a_ranking_falls_back_to_the_full_head(tmp_path):
     base, _, path = _file(tmp_path, ranking=False)
     model = drafter.apply(base, path)

@@ -264,3 +264,25 @@ def test_a_rows_attention_does_not_depend_on_the_slots_or_rows_beside_it():
     values_alone, values_beside = few_rows.cache_values(probs[:, :, 5:6], values, alone), few_rows.cache_values(probs, values, beside)
     assert np.array_equal(scores_alone[..., :200], scores_beside[:, :, 5:6, :200])
     assert np.array_equal(values_alone, values_beside[:, :, 5:6])
+
+
+@needs_kernel
+@pytest.mark.parametrize("T,counts", [(4, [0, 1, 37, 300]), (9, [16, 17, 300, 299]), (1, [300, 5, 0, 120])])
+def test_column_logits_read_each_rows_first_count_ids_and_equal_the_gathered_product(T, counts):
+    """The draft head's scores of a row's own context ids: float64 numpy's over the first `counts[b]`
+    ids of row b, 0 past them; the table's other columns hold NaN, which a read would carry."""
+    B, D, V, L = 4, 96, 1000, 300
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, V // 2, (B, L)).astype(np.int32)
+    table = np.array(random((D, V), 1))
+    table[:, V // 2 :] = np.nan  # no live id lies there; dead slots point there
+    counts = np.asarray(counts, np.int32)
+    live = np.arange(L)[None, :] < counts[:, None]
+    ids = np.where(live, ids, V - 1)
+    hidden = random((B, T, D), 2)
+    got = np.asarray(jax.jit(few_rows.column_logits)(hidden, jnp.asarray(table), jnp.asarray(ids), jnp.asarray(counts)))
+    exact = np.einsum("btd,dbl->btl", np.asarray(hidden, np.float64), np.nan_to_num(table.astype(np.float64))[:, ids])
+    np.testing.assert_allclose(got, np.where(live[:, None, :], exact, 0), rtol=0, atol=2e-6 * np.abs(exact).max())
+    # A row's logits are bit for bit the same alone and beside other rows with other counts.
+    alone = few_rows.column_logits(hidden[2:3, :1], jnp.asarray(table), jnp.asarray(ids[2:3]), jnp.asarray(counts[2:3]))
+    assert np.array_equal(np.asarray(alone)[0, 0], got[2, 0])

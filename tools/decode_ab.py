@@ -8,6 +8,7 @@ the process kept busy while decoding, and whether each output equals plain greed
     python tools/decode_ab.py --per-iteration 100            # ms per loop iteration, EOS ignored: the loop's own cost
     python tools/decode_ab.py --per-iteration 40 --shape smollm2_135m   # the same on random weights of a named shape
     python tools/decode_ab.py --per-iteration 40 --max-len 2048          # the same with a cache of 2048 positions
+    python tools/decode_ab.py --per-iteration 40 --profile /tmp/loop     # and where each kind's iteration goes, by operation
 
 Never run it beside another heavy process: the ratios are only as steady as the machine.
 """
@@ -15,10 +16,15 @@ Never run it beside another heavy process: the ratios are only as steady as the 
 from __future__ import annotations
 
 import argparse
+import collections
+import gzip
+import json
 import os
+import re
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 
@@ -47,6 +53,9 @@ def main(argv=None) -> int:
                    help="instead: time N loop iterations of each kind from the same start, EOS ignored, and report ms per iteration")
     p.add_argument("--max-len", type=int, default=None, metavar="N",
                    help="with --per-iteration: a cache of N positions (default: the smallest bucket that fits)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="with --per-iteration: also trace each kind's N iterations under jax.profiler into DIR and print "
+                        "milliseconds per iteration by operation (the model code that made it, or the kernel called)")
     p.add_argument("--tree", type=int, default=None, metavar="N",
                    help="S3D's token tree of N nodes (default: the drafter's; the never- and always-drafting kinds need one)")
     p.add_argument("--shape", choices=sorted(SHAPES),
@@ -54,8 +63,8 @@ def main(argv=None) -> int:
                         "instead of a model (no model file needed; --dtype applies)")
     options_lib.add_model_arguments(p)
     args = p.parse_args(argv)
-    if args.max_len is not None and not args.per_iteration:
-        p.error("--max-len sizes the cache of --per-iteration's loops: add --per-iteration N")
+    if (args.max_len is not None or args.profile) and not args.per_iteration:
+        p.error("--max-len and --profile apply to --per-iteration's loops: add --per-iteration N")
     if args.shape:
         if not args.per_iteration:
             p.error("--shape times loop iterations only (random weights write no text worth a tokens/s): add --per-iteration N")
@@ -114,7 +123,43 @@ def per_iteration(model, prompt, chat: bool, args, kinds: dict) -> int:
     for kind in kinds:
         ms = statistics.median(times[kind])
         print(f"{args.tag} {kind:20s} {ms:6.2f} ms per iteration  {ms / plain:.3f}x plain's".strip())
+    for kind, run in runs.items() if args.profile else ():
+        print_profile(kind, run, args.per_iteration, os.path.join(args.profile, kind.replace(" ", "_").replace(",", "")))
     return 0
+
+
+def print_profile(kind: str, run, iterations: int, out_dir: str, top: int = 12) -> None:
+    """Traces `iterations` of `run`'s loop and prints ms per iteration by operation: the model code
+    each one came from (its `op_name`, layers merged), or for a custom call the kernel it called.
+    Times are inclusive of waits; the profiler itself slows the loop by a few percent."""
+    state = run.advance(run.start(), 5)
+    jax.block_until_ready(state.tokens)
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        start = time.perf_counter()
+        jax.block_until_ready(run.advance(state, 5 + iterations).tokens)
+        wall = (time.perf_counter() - start) / iterations * 1e3
+    origin = {}
+    for line in run.loop_hlo().splitlines():
+        if match := re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line):
+            target, op = re.search(r'custom_call_target="([^"]+)"', line), re.search(r'op_name="([^"]*)"', line)
+            if re.search(r" (?:conditional|while)\(", line):
+                continue  # a loop or a branch: its time is its operations'
+            if target:
+                origin[match.group(1)] = f"kernel {target.group(1)}"
+            elif op:
+                name = re.sub(r"/jit\(\w+\)|cond/branch_\d+_fun/|layer_\d+", lambda m: "layer_N" if m.group(0).startswith("layer") else "",
+                              op.group(1))
+                origin[match.group(1)] = "/".join(name.replace("jit(advance)/while/body/", "").split("/")[:4])
+    trace = max(Path(out_dir).rglob("*.trace.json.gz"), key=os.path.getmtime)
+    events = json.load(gzip.open(trace))
+    totals = collections.Counter()
+    for event in events["traceEvents"] if isinstance(events, dict) else events:
+        if event.get("ph") == "X" and event.get("name") in origin:
+            totals[origin[event["name"]]] += event.get("dur", 0) / 1e3 / iterations
+    print(f"{kind}: {wall:.2f} ms per iteration under the profiler, by operation (ms per iteration):")
+    for name, ms in totals.most_common(top):
+        print(f"  {ms:7.3f}  {name}")
+    print(f"  {sum(totals.values()) - sum(ms for _, ms in totals.most_common(top)):7.3f}  everything else")
 
 
 if __name__ == "__main__":
