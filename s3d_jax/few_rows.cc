@@ -564,12 +564,11 @@ ffi::Error ContextLogits(ffi::Buffer<ffi::F32> hidden, ffi::Buffer<ffi::F32> hea
   if (hd.size() != 3 || wd.size() != 2 || id.size() != 2 || cd.size() != 1 || hd[2] != wd[0] || id[0] != hd[0] || cd[0] != hd[0]) {
     return ffi::Error::InvalidArgument("context_logits: expected hidden [B, T, D], head [D, V], ids [B, L] and count [B]");
   }
-  const int64_t B = hd[0], T = hd[1], D = hd[2], V = wd[1], L = id[1];
+  const int64_t T = hd[1], D = hd[2], V = wd[1], L = id[1];
   constexpr int kRows = 8;
   thread_local std::vector<float> zeros;
   zeros.assign(D, 0.0f);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = std::clamp<int64_t>(count.typed_data()[b], 0, L);
+  EachHead(count, 1, L, [&](int64_t b, int64_t n) {  // one "head" per row: its count clamped to [0, L]
     const int32_t* row_ids = ids.typed_data() + b * L;
     float* out = logits->typed_data() + b * T * L;
     std::memset(out, 0, sizeof(float) * T * L);
@@ -591,7 +590,7 @@ ffi::Error ContextLogits(ffi::Buffer<ffi::F32> hidden, ffi::Buffer<ffi::F32> hea
           for (int64_t j = 0; j < m; ++j) out[(t0 + i) * L + l0 + j] = acc[i][j];
       }
     }
-  }
+  });
   return ffi::Error::Success();
 }
 

@@ -140,16 +140,15 @@ def print_profile(kind: str, run, iterations: int, out_dir: str, top: int = 12) 
         wall = (time.perf_counter() - start) / iterations * 1e3
     origin = {}
     for line in run.loop_hlo().splitlines():
-        if match := re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line):
-            target, op = re.search(r'custom_call_target="([^"]+)"', line), re.search(r'op_name="([^"]*)"', line)
-            if re.search(r" (?:conditional|while)\(", line):
-                continue  # a loop or a branch: its time is its operations'
-            if target:
-                origin[match.group(1)] = f"kernel {target.group(1)}"
-            elif op:
-                name = re.sub(r"/jit\(\w+\)|cond/branch_\d+_fun/|layer_\d+", lambda m: "layer_N" if m.group(0).startswith("layer") else "",
-                              op.group(1))
-                origin[match.group(1)] = "/".join(name.replace("jit(advance)/while/body/", "").split("/")[:4])
+        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+        if not match or re.search(r" (?:conditional|while)\(", line):
+            continue  # not an operation, or a loop or a branch: its time is its operations'
+        target, op = re.search(r'custom_call_target="([^"]+)"', line), re.search(r'op_name="([^"]*)"', line)
+        if target:
+            origin[match.group(1)] = f"kernel {target.group(1)}"
+        elif op:
+            name = re.sub(r"jit\(advance\)/while/body/|/jit\(\w+\)|cond/branch_\d+_fun/", "", op.group(1))
+            origin[match.group(1)] = "/".join(re.sub(r"layer_\d+", "layer_N", name).split("/")[:4])
     trace = max(Path(out_dir).rglob("*.trace.json.gz"), key=os.path.getmtime)
     events = json.load(gzip.open(trace))
     totals = collections.Counter()
