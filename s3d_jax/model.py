@@ -4,10 +4,8 @@ Flax modules; the families differ only in `ModelConfig` options.
 Shapes carry their axes in their names: B batch, T new tokens, S context keys, D hidden,
 H query heads, K key/value heads, G = H // K query heads per KV head, E head dim, F FFN, V vocab.
 
-Projections that read the same input are one weight, so a pass makes one product where it would
-make several: `qkv` `[D, K, G + 2, E]` holds each KV head's G query heads, then its key, then its
-value (a split over KV heads keeps a group on one device), and `gate_up` `[D, 2, F]` the MLP's two
-input projections. Their draft adapters are fused too (`adapters.DraftLoRA`).
+Projections that read the same input are one weight (`qkv` `[D, K, G + 2, E]`, `gate_up` `[D, 2, F]`),
+and so are their draft adapters (`adapters.DraftLoRA`): one product where there would be several.
 
 Every pass runs a static subset of layers (`layers`): the full model is all of them, the S3D
 drafter the full model minus a middle range. Attention always has two key segments:
@@ -15,9 +13,8 @@ drafter the full model minus a middle range. Attention always has two key segmen
     sequence's target keys in training), visible through `context_mask`;
   - the block itself, visible through `block_mask`: `[B, T, T]`, or a `Band` when each query sees
     only the few block keys just before it (training's draft pass under span masking).
-The block's own keys and values are returned so the caller decides whether to cache them.
-The masks say what is visible regardless of sliding windows: each layer applies its own window
-(`ModelConfig.layer_window`) from the query and key positions, so layers may differ (Gemma).
+The block's keys and values are returned: the caller decides whether to cache them. Each layer
+applies its own sliding window (`ModelConfig.layer_window`; Gemma's layers differ) to both masks.
 """
 
 from __future__ import annotations
@@ -73,8 +70,7 @@ class Band:
 
 @dataclasses.dataclass
 class Prefix:
-    """A context mask as a prefix, row b seeing slots `s < lengths_B[b]` (the KV cache): on a CPU
-    attention then reads those slots only (`few_rows.context_scores`)."""
+    """A context mask as a prefix, row b seeing slots `s < lengths_B[b]` (the KV cache), the only slots a CPU reads."""
 
     lengths_B: jax.Array
 
@@ -213,6 +209,8 @@ class Attention(nn.Module):
             k_BTWKE, v_BTWKE = band.keys(k_BTKE), band.keys(v_BTKE)
             scores_blk = jnp.einsum("btkge,btwke->bkgtw", q_BTKGE, k_BTWKE, precision=c.precision) * scale
             block_mask_BTT = band.mask_BTW & window_mask(q_pos_BT1, band.keys(positions_BT), window)
+        elif T == 1:  # a plain step: the token's one block key, a product and sum over E rather than a matmul
+            scores_blk = (q_BTKGE * k_BTKE[:, :, :, None]).sum(-1).transpose(0, 2, 3, 1)[..., None] * scale
         else:
             scores_blk = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKTE, preferred_element_type=f32, precision=c.precision) * scale
             block_mask_BTT = block_mask_BTT & window_mask(q_pos_BT1, positions_BT[:, None, :], window)
@@ -224,6 +222,8 @@ class Attention(nn.Module):
         out_BTKGE = few_rows.context_values(probs[..., :S], context_v_BKES, lengths_B, c.precision)
         if band is not None:
             out_BTKGE += jnp.einsum("bkgtw,btwke->btkge", probs[..., S:], v_BTWKE, preferred_element_type=f32, precision=c.precision)
+        elif T == 1:
+            out_BTKGE += probs[..., S:].transpose(0, 3, 1, 2, 4) * v_BTKE[:, :, :, None]
         else:
             out_BTKGE += jnp.einsum("bkgts,bkes->btkge", probs[..., S:], v_BKET, preferred_element_type=f32, precision=c.precision)
         out_BTD = linear(self, "o", out_BTKGE.reshape(B, T, H, E), (H, E), (D,), draft)

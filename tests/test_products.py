@@ -26,6 +26,7 @@ FAMILIES = {
 }
 PROJECTIONS = 4  # per layer: qkv, o, gate_up, down
 ATTENTION = 4  # scores and values, against the cache and against the block itself
+ONE_TOKEN_ATTENTION = 2  # a plain step's token against its own key is a product and sum, no matmul
 SKIP, GAMMA = (2, 3), 3
 
 
@@ -52,7 +53,8 @@ def test_a_plain_step_makes_one_product_per_fused_projection(family):
     cache = KVCache.zeros(model.config, 1, 32)
     x_n = jnp.zeros((1,), jnp.int32)
     layers = model.config.num_layers
-    assert products(verify_pass(model, 1), model.params, cache, x_n) == layers * (PROJECTIONS + ATTENTION) + 1  # + the head
+    assert products(verify_pass(model, 1), model.params, cache, x_n) == layers * (PROJECTIONS + ONE_TOKEN_ATTENTION) + 1  # + the head
+    assert products(verify_pass(model, 3), model.params, cache, x_n) == layers * (PROJECTIONS + ATTENTION) + 1
     # A draft layer adds its adapters' two products per projection (separate adapters made six for qkv).
     draft_layers = len(model.config.draft_layers(SKIP))
     drafted = products(draft_pass(model, SKIP, GAMMA), model.params, cache, x_n)
