@@ -32,13 +32,21 @@ class DecodeState:
     num_generated: jax.Array  # [B]
     done: jax.Array  # [B] bool
     max_new_tokens: jax.Array  # [B]
-    eos_ids: jax.Array  # [E]
+    eos_ids: jax.Array  # [EOS_SLOTS x n]: the EOS ids, then -1 (`eos_array`)
     rng: jax.Array
     iteration: jax.Array  # [] iterations run so far
     accept_histogram: jax.Array  # [B, reach+1]: iterations of each row that accepted k = 0..reach drafts
     branch_only: jax.Array  # [B]: iterations of each row that verified the context branch alone, with no draft pass
     certainty: jax.Array  # [B] float32: the verifier's top probability where it picked x_n (kept up to date by trees alone)
     plain_steps: jax.Array  # [B]: iterations of each row that were one plain step (certainty below `plan.min_certainty`)
+
+
+EOS_SLOTS = 4  # the EOS ids' array is padded to a multiple of this with -1 (no token), so EOS sets share a compile
+
+
+def eos_array(eos_ids: tuple[int, ...]) -> jax.Array:
+    width = -(-max(len(eos_ids), 1) // EOS_SLOTS) * EOS_SLOTS
+    return jnp.asarray([*eos_ids, *[-1] * (width - len(eos_ids))], jnp.int32)
 
 
 def _is_eos(tokens, eos_ids):
@@ -285,7 +293,7 @@ class Run:
             jnp.asarray(self.prompts, jnp.int32),
             jnp.asarray(self.prompt_lengths, jnp.int32),
             jnp.full((len(self.prompts),), self.max_new_tokens, jnp.int32),
-            jnp.asarray(self.eos_ids or (-1,), jnp.int32),
+            eos_array(self.eos_ids),
             jax.random.key(self.seed),
         )
 

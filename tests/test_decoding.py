@@ -263,8 +263,13 @@ def test_one_compile_per_bucket(model):
     assert decoding.compile_count() == count
     assert out.stats.compile_seconds == 0.0
     # The next prompt bucket compiles a new prefill; the loop state keeps its shape, so the loop is reused.
-    s3d_jax.decode(model, random_prompts([40], seed=9)[0], **opts)
+    free = s3d_jax.decode(model, random_prompts([40], seed=9)[0], **opts).tokens
     assert decoding.compile_count() == count + 1
+    # Other EOS ids, up to four, compile nothing (their array has a fixed width) and still end the reply.
+    stop, unused = free[3], [t for t in range(90) if t not in free][:2]
+    out = s3d_jax.decode(model, random_prompts([40], seed=9)[0], **{**opts, "eos_token_ids": (*unused, stop)})
+    assert decoding.compile_count() == count + 1
+    assert out.tokens == free[: free.index(stop) + 1]
 
 
 def _memory_mappings() -> int:
