@@ -31,10 +31,10 @@ lint: install
 	$(PY) -m ruff check .
 
 test: lint
-	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0
+	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(PY) -m s3d_jax.bench --suite mt_bench,humaneval,news --limit $(LIMIT)
