@@ -14,7 +14,8 @@ a quantized weight dequantized first. It is differentiable.
 
 `cache_scores` and `cache_values` are a decode pass's attention over the KV cache, reading each
 row's slots below its cached length only, where XLA's dot reads every allocated slot
-(`model.Prefix`; `reads_cache_prefix` says when they apply). Settings (docs/cpu.md):
+(`model.Prefix`), and `column_logits` scores only a row's live context ids; `float32_handlers_apply`
+says when these apply. Settings (docs/cpu.md):
 - `S3D_JAX_FEW_ROW_KERNEL`: `0`/`false`/`no`/`off` keeps every product and the attention on XLA's dot. It is read
   when a function is traced; the decode engine's caches key on it (`switch`).
 - `S3D_JAX_FEW_ROW_THREADS`: the threads sharing a product, read once per process; by default the
@@ -317,9 +318,10 @@ def batched_matmul(x_SMK, w_SKN, precision=None):
                                preferred_element_type=jnp.float32)
 
 
-def reads_cache_prefix(*dtypes) -> bool:
-    """Whether attention over the cache uses the kernel, which reads each row's slots below its cached
-    length only (`cache_scores`, `cache_values`), for float32 queries and cache (decided when tracing)."""
+def float32_handlers_apply(*dtypes) -> bool:
+    """Whether the kernel's float32-only handlers apply to operands of these dtypes (decided when
+    tracing): attention over each row's live cache slots (`cache_scores`, `cache_values`) and the
+    draft head's live context columns (`column_logits`)."""
     return (all(d == jnp.float32 for d in dtypes) and jax.default_backend() == "cpu" and jax.device_count() == 1
             and available())
 
@@ -329,7 +331,7 @@ def context_scores(q_BTKGE, keys_BKSE, lengths_B=None, precision=None):
     `model.Prefix`) a slot at or past its row's length is 0, and the kernel, where it applies, never
     reads it; XLA's dot reads every slot."""
     B, T, K, G, E = q_BTKGE.shape
-    if lengths_B is not None and reads_cache_prefix(q_BTKGE.dtype, keys_BKSE.dtype):
+    if lengths_B is not None and float32_handlers_apply(q_BTKGE.dtype, keys_BKSE.dtype):
         q_BKRE = q_BTKGE.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, E)
         return cache_scores(q_BKRE, keys_BKSE, lengths_B).reshape(B, K, G, T, -1)
     return jnp.einsum("btkge,bkse->bkgts", q_BTKGE, keys_BKSE, preferred_element_type=jnp.float32, precision=precision)
@@ -339,7 +341,7 @@ def context_values(probs_BKGTS, values_BKES, lengths_B=None, precision=None):
     """`[B, T, K, G, E]`: the context's values weighted by `probs`, which must be 0 at a slot at or past
     its row's length where `lengths_B` is given (the kernel does not read those)."""
     B, K, G, T, S = probs_BKGTS.shape
-    if lengths_B is not None and reads_cache_prefix(probs_BKGTS.dtype, values_BKES.dtype):
+    if lengths_B is not None and float32_handlers_apply(probs_BKGTS.dtype, values_BKES.dtype):
         out_BKRE = cache_values(probs_BKGTS.reshape(B, K, G * T, S), values_BKES, lengths_B)
         return out_BKRE.reshape(B, K, G, T, -1).transpose(0, 3, 1, 2, 4)
     return jnp.einsum("bkgts,bkes->btkge", probs_BKGTS, values_BKES, preferred_element_type=jnp.float32, precision=precision)
@@ -351,7 +353,7 @@ def column_logits(hidden_BTD, table_DV, ids_BL, counts_B, precision=None):
     drops them. The kernel, where it applies (a float32 table), reads only those ids' columns and
     sets the others to 0; XLA gathers every id's column first, a cost that grows with L (the draft
     head's context is the whole token buffer, `docs/cpu.md`, "The loop's own operations")."""
-    if reads_cache_prefix(hidden_BTD.dtype, getattr(table_DV, "dtype", None)):
+    if float32_handlers_apply(hidden_BTD.dtype, getattr(table_DV, "dtype", None)):
         out = jax.ShapeDtypeStruct((*hidden_BTD.shape[:2], ids_BL.shape[1]), jnp.float32)
         return jax.ffi.ffi_call(TARGET_CONTEXT_LOGITS, out, vmap_method="sequential")(
             hidden_BTD, table_DV, ids_BL.astype(jnp.int32), counts_B.astype(jnp.int32))

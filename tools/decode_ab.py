@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gzip
 import json
 import os
@@ -114,11 +115,7 @@ def per_iteration(model, prompt, chat: bool, args, kinds: dict) -> int:
     times = {kind: [] for kind in kinds}
     for _ in range(args.repeats):
         for kind, run in runs.items():
-            state = run.advance(run.start(), 5)
-            jax.block_until_ready(state.tokens)
-            start = time.perf_counter()
-            jax.block_until_ready(run.advance(state, 5 + args.per_iteration).tokens)
-            times[kind].append((time.perf_counter() - start) / args.per_iteration * 1e3)
+            times[kind].append(iteration_ms(run, args.per_iteration))
     plain = statistics.median(times["plain"])
     for kind in kinds:
         ms = statistics.median(times[kind])
@@ -128,16 +125,22 @@ def per_iteration(model, prompt, chat: bool, args, kinds: dict) -> int:
     return 0
 
 
+def iteration_ms(run, iterations: int, around=contextlib.nullcontext) -> float:
+    """Milliseconds per iteration of `run`'s loop over `iterations` iterations after a warm-up of 5,
+    the timed part inside the context `around()` (a profiler's trace)."""
+    state = run.advance(run.start(), 5)
+    jax.block_until_ready(state.tokens)
+    with around():
+        start = time.perf_counter()
+        jax.block_until_ready(run.advance(state, 5 + iterations).tokens)
+        return (time.perf_counter() - start) / iterations * 1e3
+
+
 def print_profile(kind: str, run, iterations: int, out_dir: str, top: int = 12) -> None:
     """Traces `iterations` of `run`'s loop and prints ms per iteration by operation: the model code
     each one came from (its `op_name`, layers merged), or for a custom call the kernel it called.
     Times are inclusive of waits; the profiler itself slows the loop by a few percent."""
-    state = run.advance(run.start(), 5)
-    jax.block_until_ready(state.tokens)
-    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
-        start = time.perf_counter()
-        jax.block_until_ready(run.advance(state, 5 + iterations).tokens)
-        wall = (time.perf_counter() - start) / iterations * 1e3
+    wall = iteration_ms(run, iterations, lambda: jax.profiler.trace(out_dir, create_perfetto_trace=True))
     origin = {}
     for line in run.loop_hlo().splitlines():
         match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
