@@ -177,12 +177,36 @@ constexpr int64_t kPrefetchBlocks = 2;
 // Rows of x per sweep over a float weight. With AVX-512's 32 vector registers the accumulators of 16
 // rows fit, and a 9-row pass (a tree of 4 with the context branch's 4 slots, and the root) reads each
 // weight once rather than in sweeps of 8 and 1: verifying that tree cost 2.0 plain steps, now 1.8.
+// Without AVX-512 (16 vector registers of 8 floats), a float weight's 16 columns are two halves
+// swept one after the other, so that one half's accumulators of up to 12 rows stay in registers:
+// on an AVX2 machine a 9-row pass cost 1.4x an 8-row one as two sweeps, and 8 rows of 16 lanes
+// spilled (docs/cpu.md, "Without AVX-512").
 #if defined(__AVX512F__)
 constexpr int64_t kMaxRows = 16;
+constexpr bool kHalfSweeps = false;
 #else
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRows = 12;
+constexpr bool kHalfSweeps = true;
 #endif
 constexpr int64_t kColumnAlign = 16;  // a thread's columns start on a whole vector
+
+typedef float HalfLanes __attribute__((vector_size(32), aligned(4), may_alias));  // 8 floats, unaligned loads
+
+// Columns [n + 8 * kHalf, n + 8 * kHalf + 8) of a 16-column step: each entry is summed over k in the
+// same order as a whole step's, so a row's result does not depend on the sweep that computed it.
+template <int T, int KB, int kHalf, typename W>
+inline void SweepHalf(const float (&xs)[T][KB], const W& w, const typename W::Group& group, float* y, int64_t N, int64_t k0, int64_t n) {
+  float* out = y + n + 8 * kHalf;
+  HalfLanes acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = *reinterpret_cast<const HalfLanes*>(out + t * N);
+  for (int kk = 0; kk < KB; ++kk) {
+    const Lanes whole = w.Load16(k0 + kk, n, group);
+    const HalfLanes wv = __builtin_shufflevector(whole, whole, 8 * kHalf, 8 * kHalf + 1, 8 * kHalf + 2, 8 * kHalf + 3,
+                                                 8 * kHalf + 4, 8 * kHalf + 5, 8 * kHalf + 6, 8 * kHalf + 7);
+    for (int t = 0; t < T; ++t) acc[t] += xs[t][kk] * wv;
+  }
+  for (int t = 0; t < T; ++t) *reinterpret_cast<HalfLanes*>(out + t * N) = acc[t];
+}
 
 // y[t, n0:n1] += sum over k in [k0, k0+KB) of x[t, k] * w[k, n0:n1], for T rows. The KB rows lie
 // in one group (k0 is a multiple of KB, which divides kGroup).
@@ -198,14 +222,19 @@ inline void Accumulate(const float* x, const W& w, float* y, int64_t K, int64_t 
   for (; n + 16 <= n1; n += 16) {
     if (prefetch && n % kLineColumns<W> == 0)
       for (int kk = 0; kk < KB; ++kk) __builtin_prefetch(w.Row(ahead + kk) + n * sizeof(*w.w));
-    Lanes acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = *reinterpret_cast<const Lanes*>(y + t * N + n);
     const typename W::Group group = w.GroupAt(k0, n);
-    for (int kk = 0; kk < KB; ++kk) {
-      const Lanes wv = w.Load16(k0 + kk, n, group);
-      for (int t = 0; t < T; ++t) acc[t] += xs[t][kk] * wv;
+    if constexpr (kHalfSweeps && T > 4) {
+      SweepHalf<T, KB, 0>(xs, w, group, y, N, k0, n);
+      SweepHalf<T, KB, 1>(xs, w, group, y, N, k0, n);
+    } else {
+      Lanes acc[T];
+      for (int t = 0; t < T; ++t) acc[t] = *reinterpret_cast<const Lanes*>(y + t * N + n);
+      for (int kk = 0; kk < KB; ++kk) {
+        const Lanes wv = w.Load16(k0 + kk, n, group);
+        for (int t = 0; t < T; ++t) acc[t] += xs[t][kk] * wv;
+      }
+      for (int t = 0; t < T; ++t) *reinterpret_cast<Lanes*>(y + t * N + n) = acc[t];
     }
-    for (int t = 0; t < T; ++t) *reinterpret_cast<Lanes*>(y + t * N + n) = acc[t];
   }
   for (; n < n1; ++n)
     for (int t = 0; t < T; ++t) {
