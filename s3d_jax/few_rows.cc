@@ -189,6 +189,11 @@ constexpr int64_t kMaxRows = 12;
 constexpr bool kHalfSweeps = true;
 #endif
 constexpr int64_t kColumnAlign = 16;  // a thread's columns start on a whole vector
+// The most bytes of one weight row that a part of the columns reads. A part of half the head's 49,280
+// columns (96 KiB per row) prefetched 1.5 MiB ahead of its use, past L2, so lines came from memory
+// twice: in runs of at most 16 KiB, a one-row product of SmolLM2's 576 x 49,280 head took 3.8-4.6 ms
+// instead of 6.1-7.0 (docs/cpu.md, "Parts of a wide weight").
+constexpr int64_t kPartBytes = 16 << 10;
 
 typedef float HalfLanes __attribute__((vector_size(32), aligned(4), may_alias));  // 8 floats, unaligned loads
 
@@ -404,9 +409,14 @@ void Run(const float* x, const W& reader, float* y, int64_t M, int64_t K) {
   job->K = K;
   job->N = reader.N;
   Helpers& helpers = Helpers::Get();
-  // One part per thread, each streaming long contiguous runs of the weight's rows.
+  // Each thread's share of the columns, streamed in long contiguous runs of the weight's rows: in one
+  // part, or in as many equal parts as keep each run within kPartBytes, so that every thread claims
+  // the same number of parts.
   const int64_t threads = helpers.size() + 1;
-  job->part_columns = std::max<int64_t>(256, ((job->N + threads - 1) / threads + kColumnAlign - 1) / kColumnAlign * kColumnAlign);
+  const auto aligned = [](int64_t columns) { return (columns + kColumnAlign - 1) / kColumnAlign * kColumnAlign; };
+  const int64_t share = (job->N + threads - 1) / threads;
+  const int64_t rounds = std::max<int64_t>(1, (share * int64_t{sizeof(*reader.w)} + kPartBytes - 1) / kPartBytes);
+  job->part_columns = std::max<int64_t>(256, aligned((share + rounds - 1) / rounds));
   job->parts = (job->N + job->part_columns - 1) / job->part_columns;
   if (job->parts > 1) helpers.Post(job);
   job->RunParts();
