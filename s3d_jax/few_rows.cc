@@ -413,11 +413,11 @@ void Run(const float* x, const W& reader, float* y, int64_t M, int64_t K) {
   // part, or in as many equal parts as keep each run within kPartBytes, so that every thread claims
   // the same number of parts.
   const int64_t threads = helpers.size() + 1;
-  const auto aligned = [](int64_t columns) { return (columns + kColumnAlign - 1) / kColumnAlign * kColumnAlign; };
-  const int64_t share = (job->N + threads - 1) / threads;
-  const int64_t rounds = std::max<int64_t>(1, (share * int64_t{sizeof(*reader.w)} + kPartBytes - 1) / kPartBytes);
-  job->part_columns = std::max<int64_t>(256, aligned((share + rounds - 1) / rounds));
-  job->parts = (job->N + job->part_columns - 1) / job->part_columns;
+  const auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  const int64_t share = ceil_div(job->N, threads);
+  const int64_t rounds = std::max<int64_t>(1, ceil_div(share * int64_t{sizeof(*reader.w)}, kPartBytes));
+  job->part_columns = std::max<int64_t>(256, ceil_div(ceil_div(share, rounds), kColumnAlign) * kColumnAlign);
+  job->parts = ceil_div(job->N, job->part_columns);
   if (job->parts > 1) helpers.Post(job);
   job->RunParts();
   while (job->done.load(std::memory_order_acquire) < job->parts) std::this_thread::yield();
