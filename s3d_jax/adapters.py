@@ -24,6 +24,7 @@ class DraftLoRA(nn.Module):
     dot for B cost a float32 draft of 4 about 1.8 ms more (docs/cpu.md, "The loop's own operations")."""
 
     rank: int
+    layers: int  # a stack of adapters, one per layer (`model.linear`), of which a call reads entry `layer`
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     dtype: jnp.dtype
@@ -33,20 +34,20 @@ class DraftLoRA(nn.Module):
     slot_axis: int = 0
 
     @nn.compact
-    def __call__(self, x):
-        n_in, r = len(self.in_shape), self.rank
+    def __call__(self, x, layer):
+        n_in, r, L = len(self.in_shape), self.rank, self.layers
         if self.slot_parts is None:
-            a = self.param("a", self.init_a, (*self.in_shape, r), self.dtype)
-            b = self.param("b", nn.initializers.zeros, (r, *self.out_shape), self.dtype)
-            return few_rows.matmul(few_rows.matmul(x, a, n_in, self.precision), b, 1, self.precision)
+            a = self.param("a", self.init_a, (L, *self.in_shape, r), self.dtype)
+            b = self.param("b", nn.initializers.zeros, (L, r, *self.out_shape), self.dtype)
+            return few_rows.matmul(few_rows.matmul(x, a, n_in, self.precision, at=layer), b, 1, self.precision, at=layer)
         parts = max(self.slot_parts) + 1
         slot_shape = self.out_shape[: self.slot_axis] + self.out_shape[self.slot_axis + 1 :]
-        a = self.param("a", self.init_a, (*self.in_shape, parts * r), self.dtype)
-        b = self.param("b", nn.initializers.zeros, (len(self.slot_parts), r, *slot_shape), self.dtype)
-        low = few_rows.matmul(x, a, n_in, self.precision)
+        a = self.param("a", self.init_a, (L, *self.in_shape, parts * r), self.dtype)
+        b = self.param("b", nn.initializers.zeros, (L, len(self.slot_parts), r, *slot_shape), self.dtype)
+        low = few_rows.matmul(x, a, n_in, self.precision, at=layer)
         low = low.reshape(*low.shape[:-1], parts, r)[..., np.asarray(self.slot_parts), :]  # [.., slots, r]
         lead = low.shape[:-2]
         low_SMR = jnp.moveaxis(low, -2, 0).reshape(len(self.slot_parts), -1, r)
-        y = few_rows.batched_matmul(low_SMR, b.reshape(*b.shape[:2], -1), self.precision)  # [slots, M, slot size]
+        y = few_rows.batched_matmul(low_SMR, b.reshape(*b.shape[:3], -1), layer, self.precision)  # [slots, M, slot size]
         y = y.reshape(len(self.slot_parts), *lead, *slot_shape)
         return jnp.moveaxis(y, 0, len(lead) + self.slot_axis).astype(x.dtype)

@@ -1,15 +1,14 @@
 """Static-shape KV cache and the cached forward pass.
 
-Per layer the cache holds keys `[B, K, S, E]` and values `[B, K, E, S]` (the layouts attention reads
-without a copy, see `model.Attention`); `lengths[b]` says how many leading
+The cache holds every layer's keys in one array `[L, B, K, S, E]` and values in one `[L, B, K, E, S]`
+(the layouts attention reads without a copy, see `model.Attention`; a layer reads its own entry in
+place); `lengths[b]` says how many leading
 positions of row b hold valid full-model entries. A block of T tokens always runs at positions
 `lengths[b] .. lengths[b] + T - 1` of its row. Entries at or past `lengths` are stale: they are
 masked out and overwritten later, so speculative rejections need no rollback.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import flax.struct
 import jax
@@ -21,36 +20,43 @@ from s3d_jax.model import Prefix, causal_mask, full_pass, run_layers
 
 @flax.struct.dataclass
 class KVCache:
-    keys: tuple  # per layer [B, K, S, E]
-    values: tuple  # per layer [B, K, E, S]
+    keys: jax.Array  # [L, B, K, S, E]
+    values: jax.Array  # [L, B, K, E, S]
     lengths: jax.Array  # [B] int32
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, max_len: int) -> KVCache:
-        K, E, layers = config.num_kv_heads, config.head_dim, range(config.num_layers)
+        L, K, E = config.num_layers, config.num_kv_heads, config.head_dim
         return cls(
-            keys=tuple(jnp.zeros((batch, K, max_len, E), COMPUTE_DTYPE) for _ in layers),
-            values=tuple(jnp.zeros((batch, K, E, max_len), COMPUTE_DTYPE) for _ in layers),
+            keys=jnp.zeros((L, batch, K, max_len, E), COMPUTE_DTYPE),
+            values=jnp.zeros((L, batch, K, E, max_len), COMPUTE_DTYPE),
             lengths=jnp.zeros((batch,), jnp.int32),
         )
 
     @property
     def max_len(self) -> int:
-        return self.keys[0].shape[2]
+        return self.keys.shape[3]
 
     def block_positions(self, block_len: int) -> jax.Array:
         return self.lengths[:, None] + jnp.arange(block_len)[None, :]
 
-    def write(self, layers: Sequence[int], block_kvs) -> KVCache:
-        """Stores each layer's block keys and values at positions `lengths ..` of its row."""
-        def put(axis):  # per row: the block goes to positions lengths[b] .. along `axis`
-            return jax.vmap(lambda buf, block, at: jax.lax.dynamic_update_slice_in_dim(buf, block.astype(buf.dtype), at, axis=axis))
+    def write(self, layers: tuple[int, ...], block_kv) -> KVCache:
+        """Stores the block's keys `[n, B, K, T, E]` and values `[n, B, K, E, T]` of `layers` (in that
+        order) at positions `lengths ..` of each row: one scatter each, in place."""
+        keys, values = block_kv
+        return self.replace(keys=_put(self.keys, keys, layers, self.lengths, 3), values=_put(self.values, values, layers, self.lengths, 4))
 
-        keys, values = list(self.keys), list(self.values)
-        for layer, (k, v) in zip(layers, block_kvs, strict=True):
-            keys[layer] = put(1)(keys[layer], k, self.lengths)
-            values[layer] = put(2)(values[layer], v, self.lengths)
-        return self.replace(keys=tuple(keys), values=tuple(values))
+
+def _put(stack, block, layers, lengths_B, axis: int):
+    """`stack [L, B, ..]` with `block [n, B, ..]` written at layers `layers` and, along `axis`, from
+    each row's `lengths[b]` on (clamped into the stack, as a dynamic update is)."""
+    n, B = block.shape[:2]
+    starts = jnp.clip(lengths_B, 0, stack.shape[axis] - block.shape[axis])
+    index = jnp.stack(jnp.broadcast_arrays(jnp.asarray(layers, jnp.int32)[:, None], jnp.arange(B)[None, :], starts[None, :]), -1)
+    numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(2, 3, 4), inserted_window_dims=(0, 1),
+                                              scatter_dims_to_operand_dims=(0, 1, axis))
+    return jax.lax.scatter(stack, index, block.astype(stack.dtype), numbers, indices_are_sorted=True, unique_indices=True,
+                           mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
 def attention_masks(lengths_B, block_len: int):
@@ -59,7 +65,7 @@ def attention_masks(lengths_B, block_len: int):
     return Prefix(lengths_B), jnp.broadcast_to(causal_mask(block_len), (len(lengths_B), block_len, block_len))
 
 
-def block_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], draft: bool = False,
+def block_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: tuple[int, ...], draft: bool = False,
                   positions_BT=None, block_mask_BTT=None):
     """Runs `tokens` through `layers` against the cache, which it only reads; returns (final hidden
     states, each layer's block keys and values).
@@ -70,12 +76,12 @@ def block_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers
     context_mask, block_mask = attention_masks(cache.lengths, T)
     block_mask = block_mask if block_mask_BTT is None else block_mask_BTT
     positions_BT = cache.block_positions(T) if positions_BT is None else positions_BT
-    contexts = [(cache.keys[i], cache.values[i]) for i in layers]
     context_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (tokens_BT.shape[0], cache.max_len))  # slot s holds position s
-    return run_layers(params, config, tokens_BT, positions_BT, contexts, context_positions, context_mask, block_mask, layers, draft)
+    return run_layers(params, config, tokens_BT, positions_BT, (cache.keys, cache.values), context_positions, context_mask,
+                      block_mask, layers, draft)
 
 
-def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: Sequence[int], write: bool, draft: bool = False,
+def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: tuple[int, ...], write: bool, draft: bool = False,
                    positions_BT=None, block_mask_BTT=None):
     """`block_forward`, returning (final hidden states, cache). With `write`, the block's keys and
     values are stored at slots `lengths ..`; `cache.lengths` never moves here: the caller advances

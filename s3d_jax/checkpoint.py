@@ -34,7 +34,7 @@ CONFIG_FILE = "s3d_config.json"
 PARAMS_DIR = "params"
 # Version of the directory's layout, stored in CONFIG_FILE. 2: vocabulary tables are [D, V] and padded;
 # 3: q, k, v and gate, up fused (`model`).
-FORMAT = 3
+FORMAT = 4
 
 
 class CheckpointError(ValueError):

@@ -134,8 +134,8 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
         unpredictable = jnp.all((state.certainty < plan.min_certainty) | state.done)  # no active row worth a draft
         kind = jnp.where((kind == DRAFTED) & unpredictable, PLAIN_STEP, kind)
     kinds = sorted(passes)
-    k, emitted, certainty, path_kvs = jax.lax.switch(jnp.searchsorted(jnp.asarray(kinds), kind), [passes[c] for c in kinds])
-    return k, emitted, certainty, state.cache.write(config.all_layers, zip(*path_kvs)), kind
+    k, emitted, certainty, path_kv = jax.lax.switch(jnp.searchsorted(jnp.asarray(kinds), kind), [passes[c] for c in kinds])
+    return k, emitted, certainty, state.cache.write(config.all_layers, path_kv), kind
 
 
 def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> DecodeState:

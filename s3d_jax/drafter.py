@@ -110,9 +110,9 @@ def extract(params, config: ModelConfig, skip, gamma: int, ranking=None, draft_v
     """The drafter inside trained params: the draft layers' adapters and the mask row."""
     if config.mask_token_id is None:
         raise DrafterError("the model has no mask token row, so it has no drafter")
-    draft_layers = {f"layer_{i}" for i in config.draft_layers(skip)}
     flat = traverse_util.flatten_dict(jax.device_get(params))
-    lora = {k: np.asarray(v, np.float32) for k, v in flat.items() if k[0] in draft_layers and any("_lora" in p for p in k)}
+    lora = {(f"layer_{i}", *k[1:]): np.asarray(v[i], np.float32)  # a file holds the draft layers' entries of the stacks
+            for k, v in flat.items() if k[0] == "layers" and any("_lora" in p for p in k) for i in config.draft_layers(skip)}
     mask_row = np.asarray(flat[("embed",)][:, config.mask_token_id], np.float32)
     ranking = None if ranking is None else np.asarray(ranking, np.int32)
     return Drafter(tuple(skip), int(gamma), config.draft_lora_rank, mask_row, lora, ranking, int(draft_vocab_size),
@@ -234,11 +234,13 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
     if drafter.lora_rank:  # every layer's adapters (zero outside the draft layers), then the drafter's
         shapes = traverse_util.flatten_dict(abstract_params(config.replace(draft_vocab_size=0)))  # no second model in memory
         flat.update({k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items() if any("_lora" in p for p in k)})
-    for k, v in drafter.lora.items():
-        if k not in flat or flat[k].shape != v.shape:
+    for k, v in drafter.lora.items():  # ("layer_3", "attn", "qkv_lora", "a"): entry 3 of the stack ("layers", ...)
+        layer = int(k[0].removeprefix("layer_")) if k[0].startswith("layer_") else -1
+        stack = flat.get(("layers", *k[1:]))
+        if stack is None or not 0 <= layer < stack.shape[0] or stack.shape[1:] != v.shape:
             raise DrafterError(f"the drafter {where} has an adapter {'/'.join(k)} of shape {v.shape} that the model does not "
-                               f"(expected {None if k not in flat else flat[k].shape})")
-        flat[k] = jnp.asarray(v, dtype)
+                               f"(expected {None if stack is None else stack.shape[1:]})")
+        flat[("layers", *k[1:])] = stack.at[layer].set(jnp.asarray(v, dtype))
     size = drafter.draft_vocab_size if draft_vocab_size is None else check_int("draft_vocab_size", draft_vocab_size, 0)
     params, config = with_draft_vocab(traverse_util.unflatten_dict(flat), config, drafter.ranking, size)
     check_params(params, config)

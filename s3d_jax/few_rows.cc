@@ -423,25 +423,38 @@ void Run(const float* x, const W& reader, float* y, int64_t M, int64_t K) {
   while (job->done.load(std::memory_order_acquire) < job->parts) std::this_thread::yield();
 }
 
-// x [M, K] by w [K, N], or a batch of them: x [S, M, K] by w [S, K, N], one product after another
-// (the fused draft adapters' B factors, a few small weights in one call).
-ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
+// Which of a stack's L entries an operation reads: the layer that the decode passes' loop over the
+// layers is at. Every weight and cache reaches the kernel whole, `[L, ...]`, and the entry is an
+// offset into it, so that no layer's slice is ever copied out of the stack.
+bool Entry(ffi::Buffer<ffi::S32>& at, int64_t L, int64_t* entry) {
+  if (at.dimensions().size() != 0) return false;
+  *entry = at.typed_data()[0];
+  return 0 <= *entry && *entry < L;
+}
+
+// x [M, K] by entry `at` of w [L, K, N], or a batch of them: x [S, M, K] by w [L, S, K, N], one
+// product after another (the fused draft adapters' B factors, a few small weights in one call).
+ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> at, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   const size_t rank = xd.size();
-  if ((rank != 2 && rank != 3) || wd.size() != rank || xd[rank - 1] != wd[rank - 2] || (rank == 3 && xd[0] != wd[0])) {
-    return ffi::Error::InvalidArgument("few_row_matmul: expected x [M, K] and w [K, N], or x [S, M, K] and w [S, K, N]");
+  int64_t entry;
+  if ((rank != 2 && rank != 3) || wd.size() != rank + 1 || xd[rank - 1] != wd[rank - 1] || (rank == 3 && xd[0] != wd[1]) ||
+      !Entry(at, wd[0], &entry)) {
+    return ffi::Error::InvalidArgument(
+        "few_row_matmul: expected x [M, K] and w [L, K, N], or x [S, M, K] and w [L, S, K, N], and an entry 0 <= at < L");
   }
-  const int64_t S = rank == 3 ? xd[0] : 1, M = xd[rank - 2], K = xd[rank - 1], N = wd[rank - 1];
+  const int64_t S = rank == 3 ? xd[0] : 1, M = xd[rank - 2], K = xd[rank - 1], N = wd[rank];
+  const int64_t first = entry * S * K * N;
   const auto each = [&](auto reader_at) {
-    for (int64_t s = 0; s < S; ++s) Run(x.typed_data() + s * M * K, reader_at(s * K * N), y->typed_data() + s * M * N, M, K);
+    for (int64_t s = 0; s < S; ++s) Run(x.typed_data() + s * M * K, reader_at(first + s * K * N), y->typed_data() + s * M * N, M, K);
   };
   const char* base = static_cast<const char*>(w.untyped_data());
   if (w.element_type() == ffi::DataType::F32) {
-    each([&](int64_t at) { return Float32Weight{reinterpret_cast<const float*>(base) + at, N}; });
+    each([&](int64_t offset) { return Float32Weight{reinterpret_cast<const float*>(base) + offset, N}; });
   } else if (w.element_type() == ffi::DataType::BF16) {
-    each([&](int64_t at) { return Bfloat16Weight{reinterpret_cast<const uint16_t*>(base) + at, N}; });
+    each([&](int64_t offset) { return Bfloat16Weight{reinterpret_cast<const uint16_t*>(base) + offset, N}; });
   } else if (w.element_type() == ffi::DataType::F16) {
-    each([&](int64_t at) { return Float16Weight{reinterpret_cast<const uint16_t*>(base) + at, N}; });
+    each([&](int64_t offset) { return Float16Weight{reinterpret_cast<const uint16_t*>(base) + offset, N}; });
   } else {
     return ffi::Error::InvalidArgument("few_row_matmul: the weight must be float32, bfloat16 or float16");
   }
@@ -449,27 +462,35 @@ ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBu
 }
 
 ffi::Error FewRowMatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                            ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::Buffer<ffi::S32> at, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || xd[1] != wd[0] || wd[0] % kGroup ||
-      sd[0] != wd[0] / kGroup || sd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("few_row_matmul_int8: expected x [M, K], w [K, N] and scale [K/32, N]");
+  int64_t entry;
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || xd[1] != wd[1] || wd[1] % kGroup || sd[0] != wd[0] ||
+      sd[1] != wd[1] / kGroup || sd[2] != wd[2] || !Entry(at, wd[0], &entry)) {
+    return ffi::Error::InvalidArgument(
+        "few_row_matmul_int8: expected x [M, K], w [L, K, N], scale [L, K/32, N] and an entry 0 <= at < L");
   }
-  Run(x.typed_data(), Int8Weight{w.typed_data(), scale.typed_data(), wd[1]}, y->typed_data(), xd[0], xd[1]);
+  const int64_t K = wd[1], N = wd[2];
+  Run(x.typed_data(), Int8Weight{w.typed_data() + entry * K * N, scale.typed_data() + entry * K / kGroup * N, N}, y->typed_data(),
+      xd[0], K);
   return ffi::Error::Success();
 }
 
 ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> scale,
-                            ffi::Buffer<ffi::F16> min, ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::Buffer<ffi::F16> min, ffi::Buffer<ffi::S32> at, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), md = min.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || md.size() != 2 || xd[1] % kGroup || xd[1] != 2 * wd[0] ||
-      sd[0] != xd[1] / kGroup || sd[1] != wd[1] || md[0] != sd[0] || md[1] != sd[1]) {
-    return ffi::Error::InvalidArgument("few_row_matmul_int4: expected x [M, K], w [K/2, N], scale and min [K/32, N]");
+  int64_t entry;
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || md.size() != 3 || xd[1] % kGroup || xd[1] != 2 * wd[1] ||
+      sd[0] != wd[0] || sd[1] != xd[1] / kGroup || sd[2] != wd[2] || md[0] != sd[0] || md[1] != sd[1] || md[2] != sd[2] ||
+      !Entry(at, wd[0], &entry)) {
+    return ffi::Error::InvalidArgument(
+        "few_row_matmul_int4: expected x [M, K], w [L, K/2, N], scale and min [L, K/32, N] and an entry 0 <= at < L");
   }
+  const int64_t K = xd[1], N = wd[2], groups = entry * K / kGroup * N;
   Run(x.typed_data(),
-      Int4Weight{w.typed_data(), reinterpret_cast<const uint16_t*>(scale.untyped_data()),
-                 reinterpret_cast<const uint16_t*>(min.untyped_data()), wd[1]},
-      y->typed_data(), xd[0], xd[1]);
+      Int4Weight{w.typed_data() + entry * K / 2 * N, reinterpret_cast<const uint16_t*>(scale.untyped_data()) + groups,
+                 reinterpret_cast<const uint16_t*>(min.untyped_data()) + groups, N},
+      y->typed_data(), xd[0], K);
   return ffi::Error::Success();
 }
 
@@ -567,28 +588,35 @@ void EachHead(ffi::Buffer<ffi::S32>& bound, int64_t K, int64_t S, Head head) {
   }
 }
 
-ffi::Error CacheScores(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::S32> bound,
+ffi::Error CacheScores(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::S32> bound, ffi::Buffer<ffi::S32> at,
                        ffi::ResultBuffer<ffi::F32> scores) {
   const auto qd = q.dimensions(), kd = keys.dimensions(), bd = bound.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || bd.size() != 1 || qd[0] != kd[0] || qd[1] != kd[1] || qd[3] != kd[3] || bd[0] != qd[0]) {
-    return ffi::Error::InvalidArgument("cache_scores: expected q [B, K, R, E], keys [B, K, S, E] and bound [B]");
+  int64_t entry;
+  if (qd.size() != 4 || kd.size() != 5 || bd.size() != 1 || qd[0] != kd[1] || qd[1] != kd[2] || qd[3] != kd[4] || bd[0] != qd[0] ||
+      !Entry(at, kd[0], &entry)) {
+    return ffi::Error::InvalidArgument("cache_scores: expected q [B, K, R, E], keys [L, B, K, S, E], bound [B] and an entry 0 <= at < L");
   }
-  const int64_t K = qd[1], R = qd[2], E = qd[3], S = kd[2];
+  const int64_t K = qd[1], R = qd[2], E = qd[3], S = kd[3];
+  const float* layer_keys = keys.typed_data() + entry * qd[0] * K * S * E;
   EachHead(bound, K, S, [&](int64_t head, int64_t n) {
-    CacheScoresHead(q.typed_data() + head * R * E, keys.typed_data() + head * S * E, scores->typed_data() + head * R * S, R, S, E, n);
+    CacheScoresHead(q.typed_data() + head * R * E, layer_keys + head * S * E, scores->typed_data() + head * R * S, R, S, E, n);
   });
   return ffi::Error::Success();
 }
 
-ffi::Error CacheValues(ffi::Buffer<ffi::F32> probs, ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> bound,
+ffi::Error CacheValues(ffi::Buffer<ffi::F32> probs, ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> bound, ffi::Buffer<ffi::S32> at,
                        ffi::ResultBuffer<ffi::F32> out) {
   const auto pd = probs.dimensions(), vd = values.dimensions(), bd = bound.dimensions();
-  if (pd.size() != 4 || vd.size() != 4 || bd.size() != 1 || pd[0] != vd[0] || pd[1] != vd[1] || pd[3] != vd[3] || bd[0] != pd[0]) {
-    return ffi::Error::InvalidArgument("cache_values: expected probs [B, K, R, S], values [B, K, E, S] and bound [B]");
+  int64_t entry;
+  if (pd.size() != 4 || vd.size() != 5 || bd.size() != 1 || pd[0] != vd[1] || pd[1] != vd[2] || pd[3] != vd[4] || bd[0] != pd[0] ||
+      !Entry(at, vd[0], &entry)) {
+    return ffi::Error::InvalidArgument(
+        "cache_values: expected probs [B, K, R, S], values [L, B, K, E, S], bound [B] and an entry 0 <= at < L");
   }
-  const int64_t K = pd[1], R = pd[2], S = pd[3], E = vd[2];
+  const int64_t K = pd[1], R = pd[2], S = pd[3], E = vd[3];
+  const float* layer_values = values.typed_data() + entry * pd[0] * K * E * S;
   EachHead(bound, K, S, [&](int64_t head, int64_t n) {
-    CacheValuesHead(probs.typed_data() + head * R * S, values.typed_data() + head * E * S, out->typed_data() + head * R * E, R, S, E, n);
+    CacheValuesHead(probs.typed_data() + head * R * S, layer_values + head * E * S, out->typed_data() + head * R * E, R, S, E, n);
   });
   return ffi::Error::Success();
 }
@@ -646,6 +674,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmul, FewRowMatmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt8, FewRowMatmulInt8,
@@ -653,6 +682,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt8, FewRowMatmulInt8,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt4, FewRowMatmulInt4,
@@ -661,6 +691,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt4, FewRowMatmulInt4,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dCacheScores, CacheScores,
@@ -668,12 +699,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dCacheScores, CacheScores,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dCacheValues, CacheValues,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 

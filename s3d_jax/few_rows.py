@@ -229,33 +229,45 @@ def applies(rows: int, x_dtype, w_dtype) -> bool:
     )
 
 
+def entry(stack, at):
+    """Entry `at` of a stack `[L, ...]` (a quantized weight's parts alike): XLA's slice, a copy where
+    an operation cannot read it in place. The kernel reads the entry inside the whole stack instead."""
+    return jax.tree.map(lambda part: jax.lax.dynamic_index_in_dim(part, at, keepdims=False), stack)
+
+
+def _at(at):
+    return jnp.asarray(at, jnp.int32)
+
+
 @jax.custom_jvp
-def _kernel(x_MK, w_KN):
-    """`x @ w`, or with a leading batch axis on both (`[S, M, K]`, `[S, K, N]`) each `x[s] @ w[s]`."""
-    out = jax.ShapeDtypeStruct((*x_MK.shape[:-1], w_KN.shape[-1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x_MK, w_KN)
+def _kernel(x_MK, w_LKN, at):
+    """`x @ w[at]`, or with a batch axis (`x [S, M, K]`, `w [L, S, K, N]`) each `x[s] @ w[at, s]`."""
+    out = jax.ShapeDtypeStruct((*x_MK.shape[:-1], w_LKN.shape[-1]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x_MK, w_LKN, _at(at))
 
 
 @_kernel.defjvp
 def _kernel_jvp(primals, tangents):
-    (x, w), (dx, dw) = primals, tangents
-    return _kernel(x, w), dx @ w + x @ dw
+    (x, w, at), (dx, dw, _) = primals, tangents
+    return _kernel(x, w, at), dx @ entry(w, at) + x @ entry(dw, at)
 
 
 @jax.custom_jvp
-def _quantized_kernel(x_MK, w):
-    """The kernel's product with a quantized weight `w` `[K, N]` (`quant`)."""
+def _quantized_kernel(x_MK, w, at):
+    """The kernel's product with entry `at` of a stack of quantized weights `[L, K, N]` (`quant`)."""
     target = TARGET_INT4 if quant.bits_of(w) == 4 else TARGET_INT8
-    out = jax.ShapeDtypeStruct((x_MK.shape[0], w["values"].shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x_MK, *(w[k] for k in ("values", "scale", "min") if k in w))
+    out = jax.ShapeDtypeStruct((x_MK.shape[0], w["values"].shape[-1]), jnp.float32)
+    parts = (w[k] for k in ("values", "scale", "min") if k in w)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x_MK, *parts, _at(at))
 
 
 @_quantized_kernel.defjvp
 def _quantized_kernel_jvp(primals, tangents):
-    (x, w), (dx, dw) = primals, tangents
+    (x, stack, at), (dx, dstack, _) = primals, tangents
+    w, dw = entry(stack, at), entry(dstack, at)
     # The weight is linear in its scales (and minimums) for fixed values, which have no tangent.
     dw_value = quant.dequantize({**{k: dw[k] for k in w if k != "values"}, "values": w["values"]}, 1)
-    return _quantized_kernel(x, w), dx @ quant.dequantize(w, 1) + x @ dw_value
+    return _quantized_kernel(x, stack, at), dx @ quant.dequantize(w, 1) + x @ dw_value
 
 
 def result_dtype(x, w, preferred_element_type=None):
@@ -275,19 +287,22 @@ def tensordot(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
     return jnp.tensordot(x, w, axes=n_in, precision=precision, preferred_element_type=preferred_element_type)
 
 
-def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
+def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None, at=None):
     """`x @ w` over x's last `n_in` axes and w's first `n_in`, as `jnp.tensordot` with the same
-    arguments; `w` may be a quantized weight (`quant`), which stands for its float32 value.
+    arguments; `w` may be a quantized weight (`quant`), which stands for its float32 value. With
+    `at` (a traced layer index), `w` is a stack of weights `[L, ...]` and the product is with `w[at]`.
 
     With a 16-bit weight and float32 x (the model's activations), the kernel widens the weight in
     registers and multiplies x as it is; XLA's dot multiplies x rounded to the weight's type, its
     fast form (`tensordot`). Either way the result is float32."""
     quantized = quant.is_quantized(w)
-    values = w["values"] if quantized else w
-    out_dtype = result_dtype(x.dtype, x.dtype if quantized else w.dtype, preferred_element_type)
-    out_shape = values.shape[n_in:]
+    stack = w if at is not None else jax.tree.map(lambda part: part[None], w)
+    values = stack["values"] if quantized else stack
+    out_dtype = result_dtype(x.dtype, x.dtype if quantized else values.dtype, preferred_element_type)
+    out_shape = values.shape[1 + n_in:]
     lead = x.shape[: x.ndim - n_in]
     if not applies(math.prod(lead), x.dtype, values.dtype):
+        w = w if at is None else entry(w, at)
         if quantized:
             # Made to depend on x (adding zero, exactly), so that XLA dequantizes each weight when its
             # product is due: with no such dependency it dequantized every weight up front, a float32
@@ -301,19 +316,21 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
         return tensordot(x, w, n_in, precision, out_dtype)
     K, N = math.prod(x.shape[x.ndim - n_in:]), math.prod(out_shape)
     x_MK = x.reshape(math.prod(lead), K).astype(jnp.float32)  # exact from 16 bits
+    at = 0 if at is None else at
     if quantized:
-        y = _quantized_kernel(x_MK, {k: v.reshape(-1, N) for k, v in w.items()})
+        y = _quantized_kernel(x_MK, {k: v.reshape(v.shape[0], -1, N) for k, v in stack.items()}, at)
     else:
-        y = _kernel(x_MK, w.reshape(K, N))
+        y = _kernel(x_MK, stack.reshape(-1, K, N), at)
     return y.reshape(*lead, *out_shape).astype(out_dtype)
 
 
-def batched_matmul(x_SMK, w_SKN, precision=None):
-    """`x[s] @ w[s]` for each s, in float32: the kernel where a product of M rows applies, else XLA's
+def batched_matmul(x_SMK, w_LSKN, at, precision=None):
+    """`x[s] @ w[at, s]` for each s, in float32: the kernel where a product of M rows applies, else XLA's
     batched dot. For the fused draft adapters' B factors (`adapters.DraftLoRA`), whose batched dot of
     a few rows cost XLA more than the projection's own product (docs/cpu.md, "The loop's own operations")."""
-    if applies(x_SMK.shape[1], x_SMK.dtype, w_SKN.dtype):
-        return _kernel(x_SMK.astype(jnp.float32), w_SKN)
+    if applies(x_SMK.shape[1], x_SMK.dtype, w_LSKN.dtype):
+        return _kernel(x_SMK.astype(jnp.float32), w_LSKN, at)
+    w_SKN = entry(w_LSKN, at)
     return jax.lax.dot_general(x_SMK.astype(w_SKN.dtype), w_SKN, (((2,), (1,)), ((0,), (0,))), precision=precision,
                                preferred_element_type=jnp.float32)
 
@@ -326,25 +343,26 @@ def float32_handlers_apply(*dtypes) -> bool:
             and available())
 
 
-def context_scores(q_BTKGE, keys_BKSE, lengths_B=None, precision=None):
-    """`[B, K, G, T, S]`: the queries' dots with the context's keys. With `lengths_B` (the cache's,
-    `model.Prefix`) a slot at or past its row's length is 0, and the kernel, where it applies, never
-    reads it; XLA's dot reads every slot."""
+def context_scores(q_BTKGE, keys_LBKSE, at, lengths_B=None, precision=None):
+    """`[B, K, G, T, S]`: the queries' dots with the keys of layer `at` of the context `[L, ...]`. With
+    `lengths_B` (the cache's, `model.Prefix`) a slot at or past its row's length is 0, and the kernel,
+    where it applies, never reads it; XLA's dot reads every slot."""
     B, T, K, G, E = q_BTKGE.shape
-    if lengths_B is not None and float32_handlers_apply(q_BTKGE.dtype, keys_BKSE.dtype):
+    if lengths_B is not None and float32_handlers_apply(q_BTKGE.dtype, keys_LBKSE.dtype):
         q_BKRE = q_BTKGE.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, E)
-        return cache_scores(q_BKRE, keys_BKSE, lengths_B).reshape(B, K, G, T, -1)
-    return jnp.einsum("btkge,bkse->bkgts", q_BTKGE, keys_BKSE, preferred_element_type=jnp.float32, precision=precision)
+        return cache_scores(q_BKRE, keys_LBKSE, lengths_B, at).reshape(B, K, G, T, -1)
+    return jnp.einsum("btkge,bkse->bkgts", q_BTKGE, entry(keys_LBKSE, at), preferred_element_type=jnp.float32, precision=precision)
 
 
-def context_values(probs_BKGTS, values_BKES, lengths_B=None, precision=None):
-    """`[B, T, K, G, E]`: the context's values weighted by `probs`, which must be 0 at a slot at or past
-    its row's length where `lengths_B` is given (the kernel does not read those)."""
+def context_values(probs_BKGTS, values_LBKES, at, lengths_B=None, precision=None):
+    """`[B, T, K, G, E]`: layer `at`'s context values weighted by `probs`, which must be 0 at a slot at
+    or past its row's length where `lengths_B` is given (the kernel does not read those)."""
     B, K, G, T, S = probs_BKGTS.shape
-    if lengths_B is not None and float32_handlers_apply(probs_BKGTS.dtype, values_BKES.dtype):
-        out_BKRE = cache_values(probs_BKGTS.reshape(B, K, G * T, S), values_BKES, lengths_B)
+    if lengths_B is not None and float32_handlers_apply(probs_BKGTS.dtype, values_LBKES.dtype):
+        out_BKRE = cache_values(probs_BKGTS.reshape(B, K, G * T, S), values_LBKES, lengths_B, at)
         return out_BKRE.reshape(B, K, G, T, -1).transpose(0, 3, 1, 2, 4)
-    return jnp.einsum("bkgts,bkes->btkge", probs_BKGTS, values_BKES, preferred_element_type=jnp.float32, precision=precision)
+    return jnp.einsum("bkgts,bkes->btkge", probs_BKGTS, entry(values_LBKES, at), preferred_element_type=jnp.float32,
+                      precision=precision)
 
 
 def column_logits(hidden_BTD, table_DV, ids_BL, counts_B, precision=None):
@@ -361,22 +379,23 @@ def column_logits(hidden_BTD, table_DV, ids_BL, counts_B, precision=None):
                       precision=precision)
 
 
-def cache_scores(q_BKRE, keys_BKSE, lengths_B):
-    """`[B, K, R, S]`: each query row's dot with each cached key, over E, at the slots `s < lengths[b]`
-    of its row; 0 at the others, which the caller masks. Slots past a row's length are never read."""
+def cache_scores(q_BKRE, keys_LBKSE, lengths_B, at):
+    """`[B, K, R, S]`: each query row's dot with each key of layer `at` of the cache, over E, at the
+    slots `s < lengths[b]` of its row; 0 at the others, which the caller masks. Slots past a row's
+    length are never read."""
     B, K, R, _ = q_BKRE.shape
-    return _cache_call(TARGET_CACHE_SCORES, (B, K, R, keys_BKSE.shape[2]), q_BKRE, keys_BKSE, lengths_B)
+    return _cache_call(TARGET_CACHE_SCORES, (B, K, R, keys_LBKSE.shape[3]), q_BKRE, keys_LBKSE, lengths_B, at)
 
 
-def cache_values(probs_BKRS, values_BKES, lengths_B):
-    """`[B, K, R, E]`: each query row's probabilities times the cached values, summed over the slots
-    `s < lengths[b]` of its row, the only ones read (the others must have probability 0)."""
+def cache_values(probs_BKRS, values_LBKES, lengths_B, at):
+    """`[B, K, R, E]`: each query row's probabilities times layer `at`'s cached values, summed over
+    the slots `s < lengths[b]` of its row, the only ones read (the others must have probability 0)."""
     B, K, R, _ = probs_BKRS.shape
-    return _cache_call(TARGET_CACHE_VALUES, (B, K, R, values_BKES.shape[2]), probs_BKRS, values_BKES, lengths_B)
+    return _cache_call(TARGET_CACHE_VALUES, (B, K, R, values_LBKES.shape[3]), probs_BKRS, values_LBKES, lengths_B, at)
 
 
-def _cache_call(target, shape, x, cached, lengths_B):
+def _cache_call(target, shape, x, cached, lengths_B, at):
     if not _registered():
         raise RuntimeError("attention over the cache needs the few-row CPU kernel, which is unavailable here (see the warning above)")
     out = jax.ShapeDtypeStruct(shape, jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, cached, lengths_B.astype(jnp.int32))
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, cached, lengths_B.astype(jnp.int32), _at(at))

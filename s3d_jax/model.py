@@ -7,21 +7,22 @@ H query heads, K key/value heads, G = H // K query heads per KV head, E head dim
 Projections that read the same input are one weight (`qkv` `[D, K, G + 2, E]`, `gate_up` `[D, 2, F]`),
 and so are their draft adapters (`adapters.DraftLoRA`): one product where there would be several.
 
-Every pass runs a static subset of layers (`layers`): the full model is all of them, the S3D
-drafter the full model minus a middle range. Attention always has two key segments:
+The layers are one stack: every layer's weights share one array `[L, ...]` per name (`params["layers"]`),
+and a pass is a `lax.scan` of one `Block` over a static list of layer indices (`layers`): the full
+model is all of them, the S3D drafter the full model minus a middle range. The loop compiles one
+layer's code however many layers run, and each layer's weights and cache are read in place in the
+stack (`few_rows.entry`). Attention always has two key segments:
   - a *context*: keys and values computed earlier (the KV cache at inference, the clean
     sequence's target keys in training), visible through `context_mask`;
   - the block itself, visible through `block_mask`: `[B, T, T]`, or a `Band` when each query sees
     only the few block keys just before it (training's draft pass under span masking).
-The block's keys and values are returned: the caller decides whether to cache them. Each layer
-applies its own sliding window (`ModelConfig.layer_window`; Gemma's layers differ) to both masks.
+The block's keys and values are returned, stacked over the pass's layers: the caller decides whether
+to cache them. Each layer applies its own sliding window and RoPE (Gemma's layers differ) to both masks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
@@ -30,7 +31,8 @@ import numpy as np
 
 from s3d_jax import few_rows, quant
 from s3d_jax.adapters import DraftLoRA
-from s3d_jax.config import COMPUTE_DTYPE, ModelConfig, RopeScaling
+from s3d_jax.config import COMPUTE_DTYPE, ModelConfig
+from s3d_jax.positions import layer_frequencies, rope, window_mask
 
 NEG_INF = jnp.finfo(jnp.float32).min
 init_normal = nn.initializers.normal(stddev=0.02)
@@ -78,16 +80,10 @@ class Prefix:
         return jnp.broadcast_to(jnp.arange(S)[None, None, :] < self.lengths_B[:, None, None], (len(self.lengths_B), T, S))
 
 
-def window_mask(q_pos, k_pos, sliding_window: int | None):
-    """Keys within the sliding window of each query (everything when there is no window)."""
-    if sliding_window is None:
-        return jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
-    return q_pos - k_pos < sliding_window
-
-
 def weight(module: nn.Module, name: str, in_shape, out_shape):
     """A weight `[*in_shape, *out_shape]`: a float array, or quantized (`quant`), as the params hold it
-    (a QLoRA run holds quantized projections beside float tables); a new one in the config's dtype."""
+    (a QLoRA run holds quantized projections beside float tables); a new one in the config's dtype.
+    A layer's weights are stacks, their `in_shape` led by the layer axis."""
     c = module.config
     held = module.get_variable("params", name) if module.has_variable("params", name) else None
     bits = (quant.bits_of(held) if quant.is_quantized(held) else None) if held is not None else (
@@ -102,36 +98,42 @@ def vocabulary_table(module: nn.Module, name: str):
     return weight(module, name, (module.config.hidden_size,), (module.config.vocab_size,))
 
 
-def linear(module: nn.Module, name: str, x, in_shape, out_shape, draft: bool, bias: bool = False,
+def linear(module: nn.Module, name: str, x, layer, in_shape, out_shape, draft: bool, bias: bool = False,
            slot_parts: tuple[int, ...] | None = None, slot_axis: int = 0):
-    """`x @ W` (+ b) over the trailing `in_shape` axes, plus the draft-only LoRA update in draft passes.
-    A fused `W` names the part of each slot of its output along `slot_axis` (`DraftLoRA`)."""
+    """`x @ W[layer]` (+ b) over the trailing `in_shape` axes, plus the draft-only LoRA update in draft
+    passes. A fused `W` names the part of each slot of its output along `slot_axis` (`DraftLoRA`)."""
     c = module.config
-    w = weight(module, name, in_shape, out_shape)
+    L = c.num_layers
+    w = weight(module, name, (L, *in_shape), out_shape)
     n_in = len(in_shape)
-    y = few_rows.matmul(x, w, n_in, c.precision)
+    y = few_rows.matmul(x, w, n_in, c.precision, at=layer)
     if bias:
-        y = y + module.param(f"{name}_bias", nn.initializers.zeros, tuple(out_shape), c.jnp_dtype)
+        y = y + few_rows.entry(module.param(f"{name}_bias", nn.initializers.zeros, (L, *out_shape), c.jnp_dtype), layer)
     if c.draft_lora_rank:
-        lora = DraftLoRA(c.draft_lora_rank, tuple(in_shape), tuple(out_shape), c.jnp_dtype, c.precision, init_normal, slot_parts,
+        lora = DraftLoRA(c.draft_lora_rank, L, tuple(in_shape), tuple(out_shape), c.jnp_dtype, c.precision, init_normal, slot_parts,
                          slot_axis, name=f"{name}_lora")
         if draft or module.is_initializing():
-            y = y + lora(x)
+            y = y + lora(x, layer)
     return y
 
 
 class RMSNorm(nn.Module):
     """Over the last axis. `plus_one` (Gemma): the stored `w` scales by `1 + w`, in float32 before
-    the cast back, as transformers' Gemma norms do; otherwise by `w`, after the cast (LLaMA)."""
+    the cast back, as transformers' Gemma norms do; otherwise by `w`, after the cast (LLaMA). A
+    layer's norm is a stack of `layers` scales, of which a call reads entry `layer`."""
 
     eps: float
     dtype: jnp.dtype
     plus_one: bool = False
+    layers: int | None = None
 
     @nn.compact
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, layer=None):
         init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
-        scale_D = self.param("scale", init, (x_BTD.shape[-1],), self.dtype)
+        if self.layers is None:
+            scale_D = self.param("scale", init, (x_BTD.shape[-1],), self.dtype)
+        else:
+            scale_D = few_rows.entry(self.param("scale", init, (self.layers, x_BTD.shape[-1]), self.dtype), layer)
         x32 = x_BTD.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         if self.plus_one:
@@ -144,89 +146,59 @@ def softcap(x, cap: float | None):
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None):
-    """RoPE's inverse frequencies `[head_dim / 2]` in float32, scaled as transformers scales them."""
-    half = head_dim // 2
-    inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
-    if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    # llama3: long wavelengths slow down by `factor`, short ones stay, and those between interpolate.
-    wavelen = 2 * math.pi / inv_freq
-    context = scaling.original_max_position_embeddings
-    low_wavelen, high_wavelen = context / scaling.low_freq_factor, context / scaling.high_freq_factor
-    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), smoothed, scaled)
-
-
-def rope(x_BTNE, positions_BT, theta: float, scaling: RopeScaling | None = None):
-    """Rotary embedding in the rotate-half layout, with angles in float32."""
-    inv_freq = rope_frequencies(x_BTNE.shape[-1], theta, scaling)
-    angles_BTE = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-    cos, sin = jnp.cos(angles_BTE)[:, :, None, :], jnp.sin(angles_BTE)[:, :, None, :]
-    x1, x2 = jnp.split(x_BTNE.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x_BTNE.dtype)
-
-
 class Attention(nn.Module):
     config: ModelConfig
-    layer: int  # which layer: its window and RoPE may differ from the others'
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft: bool):
+    def __call__(self, x_BTD, layer, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft: bool):
         c = self.config
         D, H, K, E = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         G = H // K
         B, T = x_BTD.shape[:2]
-        qkv_BTKPE = linear(self, "qkv", x_BTD, (D,), (K, G + 2, E), draft, c.qkv_bias, qkv_slot_parts(G), 1)  # P = G + 2
+        qkv_BTKPE = linear(self, "qkv", x_BTD, layer, (D,), (K, G + 2, E), draft, c.qkv_bias, qkv_slot_parts(G), 1)  # P = G + 2
         q_BTKGE, k_BTKE, v_BTKE = split_qkv(qkv_BTKPE, G)
         q_BTHE = q_BTKGE.reshape(B, T, H, E)
         if c.qk_norm:
-            q_BTHE = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, name="q_norm")(q_BTHE)
-            k_BTKE = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, name="k_norm")(k_BTKE)
-        theta, scaling = c.layer_rope(self.layer)
-        q_BTHE, k_BTKE = rope(q_BTHE, positions_BT, theta, scaling), rope(k_BTKE, positions_BT, theta, scaling)
+            q_BTHE = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, c.num_layers, name="q_norm")(q_BTHE, layer)
+            k_BTKE = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, c.num_layers, name="k_norm")(k_BTKE, layer)
+        inv_freq = layer_frequencies(c, layer)
+        q_BTHE, k_BTKE = rope(q_BTHE, positions_BT, inv_freq), rope(k_BTKE, positions_BT, inv_freq)
 
         q_BTKGE = q_BTHE.reshape(B, T, K, G, E)
         # Keys are laid out [B, K, S, E] and values [B, K, E, S], as in the cache: in both attention
         # matmuls the heads are a batch axis and the contracted axis is minor, which is the layout
         # XLA's CPU dot wants; any other layout makes it transpose (copy) the whole cache per step.
         k_BKTE, v_BKET = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 3, 1)
-        context_k_BKSE, context_v_BKES = context_kv
+        context_k_LBKSE, context_v_LBKES = context_kv  # every layer's: this layer's is read in place
         f32, scale = jnp.float32, (c.query_pre_attn_scalar or E) ** -0.5
-        S = context_k_BKSE.shape[2]
+        S = context_k_LBKSE.shape[3]
         lengths_B = context_mask_BTS.lengths_B if isinstance(context_mask_BTS, Prefix) else None  # the cache's
         context_mask_BTS = context_mask_BTS.mask(T, S) if lengths_B is not None else context_mask_BTS
-        scores_ctx = few_rows.context_scores(q_BTKGE, context_k_BKSE, lengths_B, c.precision) * scale
-        window = c.layer_window(self.layer)
+        scores_ctx = few_rows.context_scores(q_BTKGE, context_k_LBKSE, layer, lengths_B, c.precision) * scale
         q_pos_BT1 = positions_BT[:, :, None]
         band = block_mask_BTT if isinstance(block_mask_BTT, Band) else None
         if band is not None:  # the block's keys t - j for each query t: a product and sum over E, no matmul
             k_BTWKE, v_BTWKE = band.keys(k_BTKE), band.keys(v_BTKE)
             scores_blk = jnp.einsum("btkge,btwke->bkgtw", q_BTKGE, k_BTWKE, precision=c.precision) * scale
-            block_mask_BTT = band.mask_BTW & window_mask(q_pos_BT1, band.keys(positions_BT), window)
+            block_mask_BTT = band.mask_BTW & window_mask(c, layer, q_pos_BT1, band.keys(positions_BT))
         elif T == 1:  # a plain step: the token's one block key, a product and sum over E rather than a matmul
             scores_blk = (q_BTKGE * k_BTKE[:, :, :, None]).sum(-1).transpose(0, 2, 3, 1)[..., None] * scale
         else:
             scores_blk = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKTE, preferred_element_type=f32, precision=c.precision) * scale
-            block_mask_BTT = block_mask_BTT & window_mask(q_pos_BT1, positions_BT[:, None, :], window)
+            block_mask_BTT = block_mask_BTT & window_mask(c, layer, q_pos_BT1, positions_BT[:, None, :])
         scores_ctx, scores_blk = softcap(scores_ctx, c.attn_softcap), softcap(scores_blk, c.attn_softcap)
-        context_mask_BTS = context_mask_BTS & window_mask(q_pos_BT1, context_positions_BS[:, None, :], window)
+        context_mask_BTS = context_mask_BTS & window_mask(c, layer, q_pos_BT1, context_positions_BS[:, None, :])
         scores = jnp.concatenate([jnp.where(context_mask_BTS[:, None, None], scores_ctx, NEG_INF),
                                   jnp.where(block_mask_BTT[:, None, None], scores_blk, NEG_INF)], axis=-1)
         probs = jax.nn.softmax(scores, axis=-1)
-        out_BTKGE = few_rows.context_values(probs[..., :S], context_v_BKES, lengths_B, c.precision)
+        out_BTKGE = few_rows.context_values(probs[..., :S], context_v_LBKES, layer, lengths_B, c.precision)
         if band is not None:
             out_BTKGE += jnp.einsum("bkgtw,btwke->btkge", probs[..., S:], v_BTWKE, preferred_element_type=f32, precision=c.precision)
         elif T == 1:
             out_BTKGE += probs[..., S:].transpose(0, 3, 1, 2, 4) * v_BTKE[:, :, :, None]
         else:
             out_BTKGE += jnp.einsum("bkgts,bkes->btkge", probs[..., S:], v_BKET, preferred_element_type=f32, precision=c.precision)
-        out_BTD = linear(self, "o", out_BTKGE.reshape(B, T, H, E), (H, E), (D,), draft)
+        out_BTD = linear(self, "o", out_BTKGE.reshape(B, T, H, E), layer, (H, E), (D,), draft)
         return out_BTD, (k_BKTE, v_BKET)
 
 
@@ -234,37 +206,36 @@ class MLP(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD, draft: bool):
+    def __call__(self, x_BTD, layer, draft: bool):
         c = self.config
         D, F = c.hidden_size, c.intermediate_size
-        gate_up_BT2F = linear(self, "gate_up", x_BTD, (D,), (2, F), draft, slot_parts=(0, 1))
+        gate_up_BT2F = linear(self, "gate_up", x_BTD, layer, (D,), (2, F), draft, slot_parts=(0, 1))
         act = nn.silu if c.hidden_act == "silu" else lambda x: nn.gelu(x, approximate=True)  # GeGLU: tanh GELU
         h_BTF = act(gate_up_BT2F[..., 0, :]) * gate_up_BT2F[..., 1, :]
-        return linear(self, "down", h_BTF, (F,), (D,), draft)
+        return linear(self, "down", h_BTF, layer, (F,), (D,), draft)
 
 
 class Block(nn.Module):
-    """Pre-norm attention and MLP, each added to the residual; with `post_norms` (Gemma) their outputs
-    are normed too before the addition."""
+    """Layer `layer` (traced) of the stack: pre-norm attention and MLP, each added to the residual;
+    with `post_norms` (Gemma) their outputs are normed too before the addition."""
 
     config: ModelConfig
-    layer: int
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft: bool):
+    def __call__(self, x_BTD, layer, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft: bool):
         c = self.config
 
-        def norm(name):
-            return RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, name=name)
+        def norm(name, x):
+            return RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, c.num_layers, name=name)(x, layer)
 
-        attn_out, kv = Attention(c, self.layer, name="attn")(
-            norm("attn_norm")(x_BTD), positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft)
+        attn_out, kv = Attention(c, name="attn")(
+            norm("attn_norm", x_BTD), layer, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft)
         if c.post_norms:
-            attn_out = norm("attn_post_norm")(attn_out)
+            attn_out = norm("attn_post_norm", attn_out)
         h_BTD = x_BTD + attn_out
-        mlp_out = MLP(c, name="mlp")(norm("mlp_norm")(h_BTD), draft)
+        mlp_out = MLP(c, name="mlp")(norm("mlp_norm", h_BTD), layer, draft)
         if c.post_norms:
-            mlp_out = norm("mlp_post_norm")(mlp_out)
+            mlp_out = norm("mlp_post_norm", mlp_out)
         return h_BTD + mlp_out, kv
 
 
@@ -276,7 +247,7 @@ class Transformer(nn.Module):
         # One column per token, [D, V]: the layout the (tied) head's matmul reads in place. A step
         # looks up only B x T columns, so the lookup's layout hardly matters.
         self.embedding = vocabulary_table(self, "embed")
-        self.blocks = [Block(c, i, name=f"layer_{i}") for i in range(c.num_layers)]
+        self.layers = Block(c)
         self.final_norm = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one)
         if not c.tie_embeddings:
             self.lm_head = vocabulary_table(self, "lm_head")
@@ -284,33 +255,28 @@ class Transformer(nn.Module):
             self.draft_vocab = self.param("draft_vocab", lambda _: default_draft_vocab(c))
             self.draft_head = self.param("draft_head", lambda _: quant.select_columns(self.head(), self.draft_vocab))
 
-    def __call__(
-        self,
-        tokens_BT,
-        positions_BT,
-        context_kvs: Sequence,
-        context_positions_BS,
-        context_mask_BTS,
-        block_mask_BTT,
-        layers: Sequence[int],
-        draft: bool = False,
-    ):
-        """Runs `layers` in order; returns final-normed hidden states and each layer's block K/V.
+    def __call__(self, tokens_BT, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT,
+                 layers: tuple[int, ...], draft: bool = False):
+        """Runs `layers` in order; returns final-normed hidden states and the block's keys `[n, B, K, T, E]`
+        and values `[n, B, K, E, T]`, stacked in the order of `layers`.
 
-        `context_kvs[i]` is the context (keys `[B, K, S, E]`, values `[B, K, E, S]`) for the i-th entry
-        of `layers`, at positions `context_positions_BS` (for sliding windows). `draft` applies the
-        draft-only adapters, if the model has them.
+        `context_kv` is every layer's context, keys `[L, B, K, S, E]` and values `[L, B, K, E, S]`, at
+        positions `context_positions_BS` (for sliding windows). `draft` applies the draft-only
+        adapters, if the model has them.
         """
         x_BTD = jnp.moveaxis(quant.columns(self.embedding, tokens_BT), 0, -1).astype(COMPUTE_DTYPE)
         if self.config.scale_embeddings:  # by sqrt(D) rounded to the weights' dtype, as transformers does
             x_BTD = x_BTD * jnp.asarray(np.float32(self.config.hidden_size**0.5)).astype(self.config.jnp_dtype)
-        block_kvs = []
-        for layer, context_kv in zip(layers, context_kvs, strict=True):
-            x_BTD, kv = self.blocks[layer](
-                x_BTD, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft
-            )
-            block_kvs.append(kv)
-        return self.final_norm(x_BTD), tuple(block_kvs)
+        inputs = (positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft)
+        if self.is_initializing():  # creates the stack's parameters
+            self.layers(x_BTD, jnp.int32(0), *inputs)
+        stack = {"params": self.layers.variables["params"]}
+
+        def layer_step(x_BTD, layer):  # the stack's weights enter as constants of the loop: no layer is sliced out
+            return Block(self.config, parent=None).apply(stack, x_BTD, layer, *inputs)
+
+        x_BTD, block_kv = jax.lax.scan(layer_step, x_BTD, jnp.asarray(layers, jnp.int32))
+        return self.final_norm(x_BTD), block_kv
 
     def head(self):
         """The output head `[D, V]`: the embedding table when tied."""
@@ -333,12 +299,11 @@ class Transformer(nn.Module):
         """All layers over `tokens` with nothing before them (prompt pass, training target, `logits`)."""
         c = self.config
         B = tokens_BT.shape[0]
-        empty_k = jnp.zeros((B, c.num_kv_heads, 0, c.head_dim), COMPUTE_DTYPE)
-        empty_v = jnp.zeros((B, c.num_kv_heads, c.head_dim, 0), COMPUTE_DTYPE)
+        empty_k = jnp.zeros((c.num_layers, B, c.num_kv_heads, 0, c.head_dim), COMPUTE_DTYPE)
+        empty_v = jnp.zeros((c.num_layers, B, c.num_kv_heads, c.head_dim, 0), COMPUTE_DTYPE)
         no_context_BS = jnp.zeros((B, 0), jnp.int32)
         no_context_BTS = jnp.zeros((*mask_BTT.shape[:2], 0), bool)
-        kvs = [(empty_k, empty_v)] * c.num_layers
-        return self(tokens_BT, positions_BT, kvs, no_context_BS, no_context_BTS, mask_BTT, c.all_layers)
+        return self(tokens_BT, positions_BT, (empty_k, empty_v), no_context_BS, no_context_BTS, mask_BTT, c.all_layers)
 
     def init_all(self, tokens_BT):
         """Touches every parameter, for `init`."""
@@ -386,10 +351,10 @@ def abstract_params(config: ModelConfig):
 
 
 def run_layers(
-    params, config: ModelConfig, tokens_BT, positions_BT, context_kvs, context_positions, context_mask, block_mask, layers, draft=False
+    params, config: ModelConfig, tokens_BT, positions_BT, context_kv, context_positions, context_mask, block_mask, layers, draft=False
 ):
     return Transformer(config).apply(
-        {"params": params}, tokens_BT, positions_BT, context_kvs, context_positions, context_mask, block_mask, tuple(layers), draft
+        {"params": params}, tokens_BT, positions_BT, context_kv, context_positions, context_mask, block_mask, tuple(layers), draft
     )
 
 

@@ -129,7 +129,7 @@ def draft_pass(params, config: ModelConfig, objective: Objective, batch: Batch, 
     layers = config.draft_layers(objective.skip)
     draft_tokens = jnp.where(masked_BT, config.mask_token_id, batch.tokens)
     hidden, _ = run_layers(
-        params, config, draft_tokens, batch.positions, [target_kvs[i] for i in layers],
+        params, config, draft_tokens, batch.positions, target_kvs,
         batch.positions, context_mask, block_mask, layers, draft=True,
     )
     return hidden, anchor

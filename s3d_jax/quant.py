@@ -157,9 +157,9 @@ def dequantize_params(params):
 
 
 def _map_quantized(params, fn):
-    def visit(name, node):
+    def visit(name, node, stacked):  # a weight in the layer stack has the layer axis before its inputs
         if isinstance(node, Mapping) and not is_quantized(node):
-            return {k: visit(k, v) for k, v in node.items()}
-        return fn(node, QUANTIZED_INPUTS[name], name) if name in QUANTIZED_INPUTS else node
+            return {k: visit(k, v, stacked or k == "layers") for k, v in node.items()}
+        return fn(node, QUANTIZED_INPUTS[name] + stacked, name) if name in QUANTIZED_INPUTS else node
 
-    return visit(None, params)
+    return visit(None, params, False)

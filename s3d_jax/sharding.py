@@ -51,8 +51,11 @@ def make_mesh(m) -> jax.sharding.Mesh:
 
 
 def spec_for(path: str, shape, axis_sizes: Mapping[str, int], fsdp: bool) -> P:
-    """A PartitionSpec from the rules; an axis that does not divide its dimension is replicated."""
+    """A PartitionSpec from the rules; an axis that does not divide its dimension is replicated. The
+    layer stack's weights (`['layers']`) lead with the layer axis, which every device holds whole."""
+    stacked = (None,) if "['layers']" in path else ()
     for pattern, axes in SHARDING_RULES:
+        axes = (*stacked, *axes)
         if re.search(pattern, path) and len(axes) == len(shape):
             named = [("data" if fsdp else None) if a == "fsdp" else a for a in axes]
             return P(*[a if a and dim % axis_sizes[a] == 0 else None for a, dim in zip(named, shape, strict=True)])

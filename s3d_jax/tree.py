@@ -197,13 +197,11 @@ def accept(rng, tree: Tree, target_logits_BTV, max_depth: int, sampling: Samplin
     return k, emitted, path
 
 
-def along_path(block_kvs, path_BG):
-    """The layers' block keys `[B, K, T, E]` and values `[B, K, E, T]`, stacked (`[L, ...]`, a layer per
-    row) and taken in the order of the accepted path, `[x_n, path[0], .. path[G-1]]`: G+1 slots, of
-    which those past k hold stale entries (masked, as any past n + k). Written at slot n (`zip(*...)`
-    gives the layers' pairs), slot n + j then holds the path's j-th token, as plain decoding would
-    have written it. Two stacked arrays leave a `lax.switch` as two buffers, where each layer's own
-    would be 2L of them, an operation each on every iteration."""
+def along_path(block_kv, path_BG):
+    """The block's keys `[L, B, K, T, E]` and values `[L, B, K, E, T]` taken in the order of the accepted
+    path, `[x_n, path[0], .. path[G-1]]`: G+1 slots, of which those past k hold stale entries (masked,
+    as any past n + k). Written at slot n, slot n + j then holds the path's j-th token, as plain
+    decoding would have written it."""
     order = jnp.concatenate([jnp.zeros_like(path_BG[:, :1]), path_BG], axis=1)  # [B, G+1]
 
     def take(x, axis):
@@ -211,5 +209,5 @@ def along_path(block_kvs, path_BG):
         shape[1], shape[axis] = order.shape
         return jnp.take_along_axis(x, order.reshape(shape), axis=axis, mode="clip")
 
-    keys, values = (jnp.stack(parts) for parts in zip(*block_kvs))
+    keys, values = block_kv
     return take(keys, 3), take(values, 4)

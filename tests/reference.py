@@ -52,6 +52,11 @@ def save_chat_model(path, **overrides):
     return path
 
 
+def layer_params(params, i: int):
+    """Layer i's weights: entry i of every array of the layer stack."""
+    return jax.tree.map(lambda a: a[i], params["layers"])
+
+
 def _rms(x, w, eps):
     return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
 
@@ -100,11 +105,11 @@ def numpy_logits(model: Model, tokens, layers=None, frozen_prefix: int = 0):
     x = embed_DV[:, np.asarray(tokens)].T
     full_inputs = [x]
     for i in range(c.num_layers):
-        full_inputs.append(_layer(params[f"layer_{i}"], full_inputs[-1], c))
+        full_inputs.append(_layer(layer_params(params, i), full_inputs[-1], c))
     for i in c.all_layers if layers is None else layers:
         x = x.copy()
         x[:frozen_prefix] = full_inputs[i][:frozen_prefix]
-        x = _layer(params[f"layer_{i}"], x, c)
+        x = _layer(layer_params(params, i), x, c)
     x = _rms(x, params["final_norm"]["scale"], c.rms_norm_eps)
     head = embed_DV if c.tie_embeddings else params["lm_head"]
     return x @ head

@@ -235,8 +235,9 @@ CACHE_SHAPES = [((1, 3, 3, 256, 64), [200]), ((2, 2, 15, 77, 96), [0, 77]), ((3,
 @needs_kernel
 @pytest.mark.parametrize("shape,lengths", CACHE_SHAPES)
 def test_attention_over_the_cache_reads_only_the_slots_below_each_row_s_length(shape, lengths):
-    """Scores and weighted values equal float64 numpy's over each row's first `lengths[b]` slots; every
-    slot past them holds NaN, which any read of it would carry into the result."""
+    """Scores and weighted values equal float64 numpy's over each row's first `lengths[b]` slots of
+    layer 1 of a stack of 3; every slot past them, and the other layers, hold NaN, which any read of
+    them would carry into the result."""
     B, K, R, S, E = shape
     lengths = np.asarray(lengths, np.int32)
     live = np.arange(S)[None, :] < lengths[:, None]  # [B, S]
@@ -244,8 +245,11 @@ def test_attention_over_the_cache_reads_only_the_slots_below_each_row_s_length(s
     probs = np.where(live[:, None, None, :], np.abs(np.asarray(random((B, K, R, S), 3))), 0).astype(np.float32)
     keys.transpose(0, 2, 1, 3)[~live] = np.nan
     values.transpose(0, 3, 1, 2)[~live] = np.nan
-    scores = np.asarray(jax.jit(few_rows.cache_scores)(q, jnp.asarray(keys), jnp.asarray(lengths)))
-    out = np.asarray(jax.jit(few_rows.cache_values)(jnp.asarray(probs), jnp.asarray(values), jnp.asarray(lengths)))
+    def stack(layer):  # layer 1 of three
+        return jnp.asarray(np.stack([np.full_like(layer, np.nan), layer, np.full_like(layer, np.nan)]))
+
+    scores = np.asarray(jax.jit(few_rows.cache_scores)(q, stack(keys), jnp.asarray(lengths), 1))
+    out = np.asarray(jax.jit(few_rows.cache_values)(jnp.asarray(probs), stack(values), jnp.asarray(lengths), 1))
     exact_scores = np.einsum("bkre,bkse->bkrs", np.asarray(q, np.float64), np.nan_to_num(keys.astype(np.float64)))
     exact_out = np.einsum("bkrs,bkes->bkre", probs.astype(np.float64), np.nan_to_num(values.astype(np.float64)))
     np.testing.assert_allclose(scores, np.where(live[:, None, None, :], exact_scores, 0), rtol=0, atol=2e-6 * np.abs(exact_scores).max())
@@ -257,11 +261,12 @@ def test_a_rows_attention_does_not_depend_on_the_slots_or_rows_beside_it():
     """One query row alone over its 200 slots, and the same row among 15 others over a longer cache
     whose extra slots it gives probability 0: bit for bit the same scores and values (what keeps a
     verify pass's tokens equal to plain steps')."""
-    q, keys, values, probs = random((1, 1, 16, 64), 0), random((1, 1, 300, 64), 1), random((1, 1, 64, 300), 2), random((1, 1, 16, 300), 3)
+    q, probs = random((1, 1, 16, 64), 0), random((1, 1, 16, 300), 3)
+    keys, values = random((1, 1, 1, 300, 64), 1), random((1, 1, 1, 64, 300), 2)  # stacks of one layer
     probs = jnp.abs(probs).at[..., 200:].set(0)
     alone, beside = jnp.asarray([200]), jnp.asarray([260])
-    scores_alone, scores_beside = few_rows.cache_scores(q[:, :, 5:6], keys, alone), few_rows.cache_scores(q, keys, beside)
-    values_alone, values_beside = few_rows.cache_values(probs[:, :, 5:6], values, alone), few_rows.cache_values(probs, values, beside)
+    scores_alone, scores_beside = few_rows.cache_scores(q[:, :, 5:6], keys, alone, 0), few_rows.cache_scores(q, keys, beside, 0)
+    values_alone, values_beside = few_rows.cache_values(probs[:, :, 5:6], values, alone, 0), few_rows.cache_values(probs, values, beside, 0)
     assert np.array_equal(scores_alone[..., :200], scores_beside[:, :, 5:6, :200])
     assert np.array_equal(values_alone, values_beside[:, :, 5:6])
 

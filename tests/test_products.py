@@ -32,7 +32,8 @@ SKIP, GAMMA = (2, 3), 3
 
 def products(fn, *args) -> int:
     """`dot_general`s in the jaxpr of `fn(*args)`, inside loops, conditionals and calls too, with every
-    product on XLA's dot (the CPU kernel is a custom call that would hide them)."""
+    product on XLA's dot (the CPU kernel is a custom call that would hide them); a `scan`'s body (the
+    loop over the layers) counts once per turn."""
     with few_rows.switch(False):
         jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
 
@@ -40,8 +41,9 @@ def products(fn, *args) -> int:
         total = 0
         for eqn in jaxpr.eqns:
             total += eqn.primitive.name == "dot_general"
+            turns = eqn.params["length"] if eqn.primitive.name == "scan" else 1
             for sub in jax.core.jaxprs_in_params(eqn.params):
-                total += count(sub)
+                total += turns * count(sub)
         return total
 
     return count(jaxpr)

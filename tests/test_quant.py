@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import tiny_model
+from reference import layer_params, tiny_model
 
 import s3d_jax
 from s3d_jax import checkpoint, few_rows, quant
@@ -35,7 +35,7 @@ def dequantized(model):
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def quantized_model(request):
-    return as_quantized(tiny_model(seed=3, **SHAPE), request.param)
+    return as_quantized(tiny_model(seed=0, **SHAPE), request.param)
 
 
 def random(shape, seed):
@@ -145,7 +145,8 @@ def test_quantized_speculative_greedy_is_exact_on_xlas_dot_too(quantized_model, 
     spec = s3d_jax.decode(quantized_model, prompts, method="s3d", max_new_tokens=16, eos_token_ids=(), min_certainty=0.0,
                           gamma=3, skip=(1, 4), tree=4)
     assert spec.tokens == plain.tokens
-    lowered = jax.jit(few_rows.matmul).lower(jnp.ones((1, 64)), quantized_model.params["layer_0"]["mlp"]["gate_up"]).as_text()
+    product = jax.jit(lambda x, w: few_rows.matmul(x, w, at=0))
+    lowered = product.lower(jnp.ones((1, 64)), quantized_model.params["layers"]["mlp"]["gate_up"]).as_text()
     assert "custom_call" not in lowered
 
 
@@ -164,12 +165,12 @@ def test_a_quantized_directory_saves_loads_and_converts_both_ways(quantized_mode
     requantized = checkpoint.load(tmp_path / "float", dtype=dtype)
     jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-3),
                  quant.dequantize_params(requantized.params), quant.dequantize_params(quantized_model.params))
-    layer = requantized.params["layer_0"]
+    layer = layer_params(requantized.params, 0)
     assert layer["mlp"]["down"]["values"].dtype == {"int8": jnp.int8, "int4": jnp.uint8}[dtype]
     assert layer["attn_norm"]["scale"].dtype == jnp.float32
     assert requantized.params["embed"]["values"].dtype == jnp.int8  # the vocabulary tables are int8 in both
     converted = checkpoint.load(tmp_path / dtype, dtype=other)  # one quantized format to the other, from float32
-    assert converted.config.dtype == other and quant.bits_of(converted.params["layer_0"]["mlp"]["down"]) == quant.BITS[other]
+    assert converted.config.dtype == other and quant.bits_of(layer_params(converted.params, 0)["mlp"]["down"]) == quant.BITS[other]
 
 
 def test_a_model_that_cannot_be_quantized_is_refused_before_its_weights_are_read(tmp_path):
@@ -236,21 +237,21 @@ def test_gguf_blocks_load_as_they_ship(tmp_path):
         said = [str(w.message) for w in caught if "weights are not" in str(w.message)]
         # int8 requantizes the Q4 weights and says what it cost; int4 keeps Q4_0 and requantizes nothing
         assert said == [] if dtype == "int4" else (len(said) == 2 and "Q4_1 weights are not int8's blocks" in " ".join(said))
-        layer = model.params["layer_1"]
+        layer = layer_params(model.params, 1)
         assert quant.bits_of(layer["attn"]["qkv"]) == quant.bits_of(layer["mlp"]["down"]) == quant.BITS[dtype]
         assert quant.bits_of(model.params["embed"]) == 8
         plain = quant.dequantize_params(model.params)
         vocab = model.config.mask_token_id  # the appended mask row is the int8 mean, then padding
         np.testing.assert_array_equal(plain["embed"][:, :vocab], shipped["token_embd.weight"].T)
         if dtype == "int4":  # the Q4 blocks are the int4 weights, exactly
-            np.testing.assert_array_equal(plain["layer_1"]["mlp"]["down"], shipped["blk.1.ffn_down.weight"].T)
-            key = plain["layer_1"]["attn"]["qkv"][:, :, -2]  # [D, K, G + 2, E]: each KV head's key is its next to last
+            np.testing.assert_array_equal(layer_params(plain, 1)["mlp"]["down"], shipped["blk.1.ffn_down.weight"].T)
+            key = layer_params(plain, 1)["attn"]["qkv"][:, :, -2]  # [D, K, G + 2, E]: each KV head's key is its next to last
             np.testing.assert_array_equal(key.reshape(64, -1), shipped["blk.1.attn_k.weight"].T)
             same = {k: v for k, v in plain.items() if k != "embed"}
             jax.tree.map(np.testing.assert_array_equal, same, {k: v for k, v in dict(reference.params).items() if k != "embed"})
         else:  # Q4 blocks requantized to int8: within half an int8 step of their values
             down = shipped["blk.1.ffn_down.weight"].T
-            assert np.abs(plain["layer_1"]["mlp"]["down"] - down).max() <= np.abs(down).max() / 127 / 2 * 1.001
+            assert np.abs(layer_params(plain, 1)["mlp"]["down"] - down).max() <= np.abs(down).max() / 127 / 2 * 1.001
         ids = np.random.default_rng(0).integers(0, vocab, (2, 12))
         got, want = np.asarray(s3d_jax.logits(model, ids)), np.asarray(s3d_jax.logits(reference, ids))
         assert np.abs(got - want).max() / np.abs(want).max() < (1e-5 if dtype == "int4" else 5e-2)

@@ -76,15 +76,15 @@ def test_loss_falls_when_overfitting_one_batch(trained):
 @pytest.mark.needs("bundled_model", "mt_bench")
 def test_frozen_layers_are_bit_identical(trained):
     cfg, _, out = trained
-    before = leaves(load_base_model(cfg).params)
-    after = leaves(s3d_jax.load(out).params)
-    skipped = [f"['layer_{i}']" for i in range(cfg.s3d.skip[0], cfg.s3d.skip[1] + 1)]
-    frozen = [k for k in before if any(k.startswith(s) for s in skipped)]
-    assert len(frozen) == 2 * 6  # two norms, qkv, o, gate_up, down
-    for k in frozen:
-        assert before[k].tobytes() == after[k].tobytes(), k
-    for k in ("['layer_0']['attn']['qkv']", "['layer_5']['mlp']['down']", "['embed']"):
-        assert not np.array_equal(before[k], after[k]), f"{k} should have trained"
+    before, after = leaves(load_base_model(cfg).params), leaves(s3d_jax.load(out).params)
+    stacks = [k for k in before if k.startswith("['layers']")]
+    assert len(stacks) == 6  # two norms, qkv, o, gate_up, down
+    for k in stacks:
+        for i in range(cfg.s3d.skip[0], cfg.s3d.skip[1] + 1):  # the skipped layers' entries
+            assert before[k][i].tobytes() == after[k][i].tobytes(), (k, i)
+    for k, i in (("['layers']['attn']['qkv']", 0), ("['layers']['mlp']['down']", 5)):
+        assert not np.array_equal(before[k][i], after[k][i]), f"{k}[{i}] should have trained"
+    assert not np.array_equal(before["['embed']"], after["['embed']"]), "the embedding should have trained"
 
 
 @pytest.mark.needs("bundled_model", "mt_bench")
@@ -186,10 +186,10 @@ for name, shape, fsdp in [("single", (1, 1), False), ("data4_fsdp", (4, 1), True
     state = jax.jit(trainer.init, static_argnums=1, out_shardings=sharding)(base.params, 0)
     step = jax.jit(trainer.step, out_shardings=(sharding, None))
     state, metrics = step(state, place_batch(batch_rows, mesh, 1))
-    spec = state.params["layer_0"]["mlp"]["gate_up"].sharding.spec
+    spec = state.params["layers"]["mlp"]["gate_up"].sharding.spec
     out[name] = {"loss": float(metrics["draft_loss_sum"] / metrics["targets"]), "spec": str(spec),
-                 "params": {key: np.asarray(v).tolist() for path, v in jax.tree_util.tree_leaves_with_path(state.params)
-                            if "layer_0" in (key := jax.tree_util.keystr(path)) or "layer_5" in key}}
+                 "params": {f"{key}[{i}]": np.asarray(v[i]).tolist() for path, v in jax.tree_util.tree_leaves_with_path(state.params)
+                            if (key := jax.tree_util.keystr(path)).startswith("['layers']") for i in (0, 5)}}
 print(json.dumps(out))
 """
 
@@ -278,7 +278,7 @@ def test_qlora_trains_adapters_on_an_int4_base(tmp_path):
     quantizable = {"model.head_dim": 32, "model.num_heads": 2, "model.num_kv_heads": 1}
     cfg = tiny_config(**quantizable, **{"base_dtype": "int4", "s3d.lora_rank": 4, "train.steps": 4, "train.lr": 1e-2})
     base = load_base_model(cfg)
-    assert quant.bits_of(base.params["layer_0"]["mlp"]["down"]) == 4 and not quant.is_quantized(base.params["embed"])
+    assert quant.bits_of(base.params["layers"]["mlp"]["down"]) == 4 and not quant.is_quantized(base.params["embed"])
     out = train(cfg, tmp_path, progress=False)
     assert out.name == "drafter.safetensors"
     bare = load_base_model(tiny_config(**quantizable, base_dtype="int4"))  # the same weights, without adapters

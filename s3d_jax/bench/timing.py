@@ -39,8 +39,8 @@ def pass_bytes(params, config, layers, context: int, draft: bool = False) -> int
         head = params["draft_head"]
     else:
         head = params["embed"] if config.tie_embeddings else params["lm_head"]
-    weights = sum(x.nbytes for i in layers for path, x in jax.tree_util.tree_leaves_with_path(params[f"layer_{i}"])
-                  if draft or "_lora" not in jax.tree_util.keystr(path))
+    stacks = [x for path, x in jax.tree_util.tree_leaves_with_path(params["layers"]) if draft or "_lora" not in jax.tree_util.keystr(path)]
+    weights = sum(x.nbytes // x.shape[0] for x in stacks) * len(layers)  # one entry of each stack per layer run
     weights += head.nbytes + sum(x.nbytes for x in jax.tree.leaves(params["final_norm"]))
     cache = 2 * len(layers) * config.num_kv_heads * config.head_dim * context * np.dtype(COMPUTE_DTYPE).itemsize
     return int(weights + cache)

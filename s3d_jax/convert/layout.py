@@ -236,13 +236,40 @@ def split_parts(flat: dict, config: ModelConfig) -> dict:
     return out
 
 
+def stack_layers(flat: dict, config: ModelConfig) -> dict:
+    """A flat `/`-named params dict with a layer's weights under `layer_{i}/` (an HF checkpoint's
+    order) as the model's layer stack: `layers/<name>` `[L, ...]`, one name at a time."""
+    flat, per_layer = dict(flat), {}
+    for path in [p for p in flat if p.startswith("layer_")]:
+        layer, name = path.split("/", 1)
+        per_layer.setdefault(name, {})[int(layer.removeprefix("layer_"))] = flat.pop(path)
+    for name, layers in per_layer.items():
+        if sorted(layers) != list(range(config.num_layers)):
+            raise CheckpointError(f"weight {name} is held by layers {sorted(layers)}, and the config has {config.num_layers} layers")
+        flat["layers/" + name] = jax.tree.map(lambda *xs: np.stack(xs), *(layers.pop(i) for i in range(config.num_layers)))
+    return flat
+
+
+def unstack_layers(flat: dict) -> dict:
+    """The inverse of `stack_layers`: each `layers/<name>` as `layer_{i}/<name>` (views of the stack)."""
+    out = {}
+    for path, w in flat.items():
+        if not path.startswith("layers/"):
+            out[path] = w
+            continue
+        name = path.removeprefix("layers/")
+        count = jax.tree.leaves(w)[0].shape[0]
+        out.update({f"layer_{i}/{name}": jax.tree.map(lambda x, i=i: x[i], w) for i in range(count)})
+    return out
+
+
 def params_from_hf(tensors: Mapping[str, np.ndarray | GroupedTensor], config: ModelConfig, progress: bool = False) -> dict:
     """Maps HF-named weights to a params tree of numpy arrays in the config's dtype, checking every
     shape. For a quantized dtype each weight is quantized as it is read, so the model is never held
     in float; a source's own groups (`GroupedTensor`) are kept as they are where they are the format
     wanted, and dequantized and quantized again where they are not."""
     fused_expected = flatten_dict(abstract_params(config), sep="/", is_leaf=lambda _, node: quant.is_quantized(node))
-    expected = jax.eval_shape(lambda tree: split_parts(tree, config), fused_expected)  # the parts the rules name
+    expected = jax.eval_shape(lambda tree: split_parts(unstack_layers(tree), config), fused_expected)  # the parts the rules name
     flat: dict[str, np.ndarray | dict] = {}
     source_of: dict[str, str] = {}
     requantized: dict[str, list[float]] = {}  # a source block type -> the relative rounding error of each weight
@@ -277,7 +304,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray | GroupedTensor], config: Mo
     for kind, errors in requantized.items():  # the nearest format, with the error it costs
         warnings.warn(f"{len(errors)} {kind} weights are not {config.dtype}'s blocks: quantized again from their values, "
                       f"relative RMS rounding error {np.mean(errors):.2%} on average, {max(errors):.2%} at most", stacklevel=2)
-    return unflatten_dict(join_parts(flat, config), sep="/")
+    return unflatten_dict(stack_layers(join_parts(flat, config), config), sep="/")
 
 
 class _Spread(NamedTuple):
@@ -323,7 +350,7 @@ def _in_format(out: np.ndarray | _Spread, target: str, config: ModelConfig):
 def params_to_hf(params, config: ModelConfig) -> dict[str, np.ndarray]:
     """HF tensor names in torch layouts, float32. Draft-only LoRA weights have no HF counterpart and are
     left out: the full model does not use them."""
-    flat = split_parts(flatten_dict(params, sep="/", is_leaf=lambda _, node: quant.is_quantized(node)), config)
+    flat = split_parts(unstack_layers(flatten_dict(params, sep="/", is_leaf=lambda _, node: quant.is_quantized(node))), config)
     fused = config.architecture in FUSED_ARCHITECTURES
     out = {}
     for rule in RULES:

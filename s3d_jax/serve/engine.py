@@ -83,7 +83,7 @@ def _resized(state: decoding.DecodeState, max_len: int) -> decoding.DecodeState:
             return jax.lax.slice_in_dim(x, 0, max_len, axis=axis)
         return jnp.pad(x, [(0, max_len - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
 
-    cache = state.cache.replace(keys=tuple(fit(k, 2) for k in state.cache.keys), values=tuple(fit(v, 3) for v in state.cache.values))
+    cache = state.cache.replace(keys=fit(state.cache.keys, 3), values=fit(state.cache.values, 4))
     return state.replace(tokens=fit(state.tokens, 1), cache=cache)
 
 
@@ -93,10 +93,13 @@ def _insert(state: decoding.DecodeState, row: decoding.DecodeState, slot, reseed
     alone is reproducible."""
     row = _resized(row, state.tokens.shape[1])
 
-    def put(full, one):
-        return jax.lax.dynamic_update_slice_in_dim(full, one.astype(full.dtype), slot, axis=0)
+    def put(full, one, axis=0):
+        return jax.lax.dynamic_update_slice_in_dim(full, one.astype(full.dtype), slot, axis=axis)
 
-    rows = {f: jax.tree.map(put, getattr(state, f), getattr(row, f)) for f in ROW_FIELDS}
+    rows = {f: jax.tree.map(put, getattr(state, f), getattr(row, f)) for f in ROW_FIELDS if f != "cache"}
+    full, one = state.cache, row.cache  # the layer stacks' rows are their second axis
+    rows["cache"] = full.replace(keys=put(full.keys, one.keys, 1), values=put(full.values, one.values, 1),
+                                 lengths=put(full.lengths, one.lengths))
     return state.replace(rng=row.rng if reseed else state.rng, **rows)
 
 

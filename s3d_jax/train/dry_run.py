@@ -64,11 +64,12 @@ def base_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
 
 
 def parameter_counts(params, masks) -> dict:
-    """Total, trainable and frozen parameters; an embedding column mask counts its token columns."""
+    """Total, trainable and frozen parameters; a mask that is an array (the embedding's token columns, a
+    layer stack's draft layers) counts the entries it broadcasts over."""
     counts = {"total": 0, "trainable": 0, "frozen": 0}
     for x, m in zip(jax.tree.leaves(params), jax.tree.leaves(masks), strict=True):
         size = int(np.prod(x.shape))
-        trainable = size if m is True else 0 if m is False else int(np.sum(m)) * x.shape[0]
+        trainable = size if m is True else 0 if m is False else int(np.sum(m)) * size // int(np.size(m))
         counts["total"] += size
         counts["trainable"] += trainable
         counts["frozen"] += size - trainable

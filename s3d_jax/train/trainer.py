@@ -4,12 +4,12 @@ accumulation over micro-batches, frozen values kept bit-identical) and held-out 
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import chex
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import traverse_util
 
@@ -28,22 +28,24 @@ def trainable_mask(params, config: ModelConfig, skip: tuple[int, int], train_hea
 
     The skipped middle layers never train. With draft-only LoRA only the adapters and the mask
     row train, so the verifier stays bit-identical to the original model."""
-    draft_layers = set(config.draft_layers(skip))
+    draft_layers = np.isin(np.arange(config.num_layers), config.draft_layers(skip))
+
+    def of_draft_layers(x):  # a layer stack `[L, ...]`: its draft layers' entries
+        return jnp.asarray(draft_layers).reshape(-1, *[1] * (x.ndim - 1))
 
     def rule(path, x):
         name = jax.tree_util.keystr(path)
         if name.startswith("['draft_vocab']") or name.startswith("['draft_head']"):
             return False  # the reduced draft head is a copy of the head's columns
         if "_lora" in name:
-            return int(re.search(r"layer_(\d+)", name).group(1)) in draft_layers
+            return of_draft_layers(x)
         if name.startswith("['embed']"):
             if train_head and config.tie_embeddings and not lora:
                 return True
             return jnp.arange(config.vocab_size)[None, :] == config.mask_token_id
         if name.startswith("['lm_head']") or name.startswith("['final_norm']"):
             return train_head and not lora
-        layer = int(re.search(r"layer_(\d+)", name).group(1))
-        return layer in draft_layers and not lora
+        return False if lora else of_draft_layers(x)
 
     return jax.tree_util.tree_map_with_path(rule, params)
 
