@@ -7,7 +7,9 @@ CPU. It is built with the machine's C++ compiler on first use (`-march=native`; 
 and how long it took) into `<cache root>/kernels/`, keyed on everything the binary depends on, and
 checked against its recorded digest before every load: a truncated or foreign file is rebuilt.
 
-`matmul(x, w)` is the one entry point: the kernel where it applies (a CPU backend with one device,
+`matmul(x, w)` is the one entry point; a layer's weight comes as its stack `[L, ...]` and the layer's
+(traced) index, `matmul(x, stack, at=layer)`, which the kernel reads at an offset and XLA's dot
+as a slice (a copy on a CPU). The kernel where it applies (a CPU backend with one device,
 a float32, bfloat16, float16, int8 or int4 weight (`quant`), at most `MAX_ROWS` rows
 (`MAX_NARROW_ROWS` for the narrower types), the switch on), `jnp.tensordot` everywhere else, with
 a quantized weight dequantized first. It is differentiable.
