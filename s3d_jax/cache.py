@@ -50,7 +50,7 @@ class KVCache:
 def _put(stack, block, layers, lengths_B, axis: int):
     """`stack [L, B, ..]` with `block [n, B, ..]` written at layers `layers` and, along `axis`, from
     each row's `lengths[b]` on (clamped into the stack, as a dynamic update is)."""
-    n, B = block.shape[:2]
+    B = block.shape[1]
     starts = jnp.clip(lengths_B, 0, stack.shape[axis] - block.shape[axis])
     index = jnp.stack(jnp.broadcast_arrays(jnp.asarray(layers, jnp.int32)[:, None], jnp.arange(B)[None, :], starts[None, :]), -1)
     numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(2, 3, 4), inserted_window_dims=(0, 1),

@@ -225,22 +225,23 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
     config = model.config
     skip = validate_skip(drafter.skip, config.num_layers)
     config = config.replace(draft_skip=skip, draft_gamma=drafter.gamma, draft_lora_rank=drafter.lora_rank, draft_tree=drafter.tree)
-    dtype = config.jnp_dtype
     if drafter.mask_row.shape != (config.hidden_size,):
         raise DrafterError(f"the drafter {where} has a mask row of shape {drafter.mask_row.shape}, the model needs ({config.hidden_size},)")
     params = {**model.params, "embed": quant.set_column(model.params["embed"], config.mask_token_id, drafter.mask_row)}
     flat = traverse_util.flatten_dict(params)  # a draft head applied before is replaced by `with_draft_vocab`
     flat = {k: v for k, v in flat.items() if not any("_lora" in p for p in k)}  # and adapters applied before, here
-    if drafter.lora_rank:  # every layer's adapters (zero outside the draft layers), then the drafter's
+    adapters = {}  # every layer's stacks of adapters, zero outside the draft layers, filled on the host
+    if drafter.lora_rank:
         shapes = traverse_util.flatten_dict(abstract_params(config.replace(draft_vocab_size=0)))  # no second model in memory
-        flat.update({k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items() if any("_lora" in p for p in k)})
+        adapters = {k: np.zeros(v.shape, v.dtype) for k, v in shapes.items() if any("_lora" in p for p in k)}
     for k, v in drafter.lora.items():  # ("layer_3", "attn", "qkv_lora", "a"): entry 3 of the stack ("layers", ...)
         layer = int(k[0].removeprefix("layer_")) if k[0].startswith("layer_") else -1
-        stack = flat.get(("layers", *k[1:]))
+        stack = adapters.get(("layers", *k[1:]))
         if stack is None or not 0 <= layer < stack.shape[0] or stack.shape[1:] != v.shape:
             raise DrafterError(f"the drafter {where} has an adapter {'/'.join(k)} of shape {v.shape} that the model does not "
                                f"(expected {None if stack is None else stack.shape[1:]})")
-        flat[("layers", *k[1:])] = stack.at[layer].set(jnp.asarray(v, dtype))
+        stack[layer] = v
+    flat.update({k: jnp.asarray(v) for k, v in adapters.items()})
     size = drafter.draft_vocab_size if draft_vocab_size is None else check_int("draft_vocab_size", draft_vocab_size, 0)
     params, config = with_draft_vocab(traverse_util.unflatten_dict(flat), config, drafter.ranking, size)
     check_params(params, config)

@@ -24,7 +24,8 @@ def window_mask(config: ModelConfig, layer, q_pos, k_pos):
     sliding = layer_is_sliding(config, layer)
     if config.sliding_window is None or sliding is False:
         return jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
-    return (q_pos - k_pos < config.sliding_window) | ~sliding
+    within = q_pos - k_pos < config.sliding_window
+    return within if sliding is True else within | ~sliding
 
 
 def layer_frequencies(config: ModelConfig, layer):
