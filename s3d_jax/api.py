@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import bundled, calibration, checkpoint, decoding, sharding
+from s3d_jax import bundled, calibration, checkpoint, compile_cache, decoding, sharding
 from s3d_jax import drafter as drafter_lib
 from s3d_jax.checkpoint import Model
 from s3d_jax.config import ConfigError, ModelConfig, validate_skip
@@ -41,6 +41,7 @@ def load(
     `draft_vocab_size` overrides the drafter's reduced draft head: N most frequent tokens, 0 for all.
     `mesh` (a Mesh with a `model` axis, or text such as "model=4") splits the model over devices,
     tensor-parallel; decoding then runs over them with the same outputs (docs/usage.md, "Several devices")."""
+    compile_cache.enable()  # before anything compiles: a later process loads the decode loops instead
     if drafter is not None and not isinstance(drafter, (str, os.PathLike)):
         raise TypeError(f"drafter must be a path to a drafter file or None, got {type(drafter).__name__}")
     if drafter == BUNDLED_DRAFTER:

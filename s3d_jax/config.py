@@ -179,10 +179,6 @@ class ModelConfig:
             return self.sliding_window is not None
         return self.layer_types[layer] == "sliding_attention"
 
-    def layer_window(self, layer: int) -> int | None:
-        """The keys `layer` sees: those less than this many positions back, or all of them (None)."""
-        return self.sliding_window if self.is_sliding(layer) else None
-
     def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
         """RoPE base and scaling of `layer` (Gemma-3's sliding-window layers have their own, unscaled)."""
         if self.local_rope_theta is not None and self.is_sliding(layer):

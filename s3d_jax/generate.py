@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from s3d_jax import calibration, compile_cache, few_rows, options
+from s3d_jax import calibration, few_rows, options
 from s3d_jax.api import DecodeOutput, decode, load, stream
 
 
@@ -39,7 +39,6 @@ def main(argv=None) -> int:
         decode_options = options.DecodeOptions.from_args(args)  # checked before the model loads
         few_rows.switched_on()  # and so are S3D_JAX_FEW_ROW_KERNEL
         calibration.switched_on()  # and S3D_JAX_CALIBRATE
-        compile_cache.enable()
         model = load(**options.load_arguments(args))
         chunks = stream(model, args.prompt, decode_options, chunk_iterations=args.chunk)
         shown = ""

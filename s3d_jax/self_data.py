@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from s3d_jax import api, compile_cache, data
+from s3d_jax import api, data
 from s3d_jax.options import DecodeOptions
 
 
@@ -102,7 +102,6 @@ def main(argv=None) -> int:
     if args.batch < 1 or args.limit < 0 or args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
         p.error("--batch, --max-new-tokens and --max-prompt-tokens must be at least 1, and --limit at least 0")
     try:
-        compile_cache.enable()  # a resumed run reuses the compiled decode loops
         model = api.load(args.model)
         if model.tokenizer is None:
             raise data.DataError("the model has no tokenizer: replies to chat prompts need its chat template")

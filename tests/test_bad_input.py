@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from reference import tiny_config, tiny_model
@@ -397,25 +396,6 @@ def test_selfspec_with_a_large_gamma_compiles_once_and_equals_greedy(model):
     out = s3d_jax.decode(model, [4, 5, 6], method="selfspec", gamma=16, skip=(2, 3), **options)
     assert out.tokens == greedy
     assert out.stats.tokens_per_iteration > 1.0  # drafts were accepted, so the loop drafted something
-
-
-def test_compile_cache_enable_sets_the_persistent_cache(tmp_path, monkeypatch):
-    before = {name: getattr(jax.config, name) for name in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
-    try:
-        jax.config.update("jax_compilation_cache_dir", None)
-        monkeypatch.setenv("S3D_JAX_CACHE", str(tmp_path / "root"))
-        assert compile_cache.directory() == tmp_path / "root" / "xla"
-        assert compile_cache.enable() == tmp_path / "root" / "xla"
-        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "root" / "xla")
-        assert jax.config.jax_persistent_cache_min_compile_time_secs <= compile_cache.MIN_COMPILE_SECONDS
-        assert (tmp_path / "root" / "xla").is_dir()
-        # A directory set beforehand (JAX_COMPILATION_CACHE_DIR) is kept.
-        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
-        assert compile_cache.enable() == tmp_path / "mine"
-        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
-    finally:
-        for name, value in before.items():
-            jax.config.update(name, value)
 
 
 def test_a_cache_path_that_is_a_file_is_named_before_any_work(tmp_path, monkeypatch):

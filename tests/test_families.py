@@ -134,7 +134,7 @@ def test_family_options_recorded(converted):
     c = converted("qwen2-gqa-untied-window")[1].config
     assert c.qkv_bias and not c.qk_norm and c.sliding_window == 5
     assert c.layer_types == ("full_attention", "sliding_attention", "sliding_attention")
-    assert [c.layer_window(i) for i in c.all_layers] == [None, 5, 5]
+    assert [c.is_sliding(i) for i in c.all_layers] == [False, True, True]
     c = converted("gemma3-gqa-tied")[1].config
     assert (c.hidden_act, c.norm_plus_one, c.post_norms, c.scale_embeddings, c.qk_norm) == ("gelu_pytorch_tanh", True, True, True, True)
     assert [c.layer_rope(i)[0] for i in c.all_layers] == [10000.0, 10000.0, 1e6]

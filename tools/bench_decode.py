@@ -31,7 +31,7 @@ import jax
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from s3d_jax import api, bundled, calibration, compile_cache
+from s3d_jax import api, bundled, calibration
 from s3d_jax.bench import harness, llama_cpp_peer, timing
 from s3d_jax.bench.methods import decode_prompts, memory_now_mib, peak_memory_mib
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
@@ -60,7 +60,6 @@ def run_jax(request: dict) -> dict:
     """The s3d_jax engine, in a process of its own: with `memory_of` set, that one method's memory;
     else the pass costs, then each method on the prompts. `request` holds this command's arguments."""
     args = argparse.Namespace(**request)
-    compile_cache.enable()  # the memory processes load the executables the first process compiled
     if args.memory_of:
         return method_memory(args)
     model = api.load(**load_arguments(args))

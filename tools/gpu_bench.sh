@@ -2,7 +2,8 @@
 # The GPU's figures, in stages that each fit a short lease of one CUDA GPU:
 #     bash tools/gpu_bench.sh [STAGE ...]      (default: passes bench)
 #   passes      pass costs of random weights of SmolLM2's shape in each dtype, CUDA graphs on and off,
-#               and of Llama-3.2-1B's shape in bfloat16; the loop's ms per iteration of each kind
+#               and of Llama-3.2-1B's shape in bfloat16, each of the last two also with XLA's
+#               dynamic-slice fusion on; the loop's ms per iteration of each kind
 #               (no model file or data set needed)
 #   bench       the bundled model with its shipped drafter: plain against S3D at the calibrated policy
 #               on MT-Bench, HumanEval and news (LIMIT prompts each, default 10), the never-drafting
@@ -67,6 +68,12 @@ passes)
     # The decode loop and its conditionals recorded as CUDA graphs (s3d_jax/gpu.py; off by default).
     shape smollm2_135m float32 S3D_JAX_CUDA_GRAPHS=1
     shape llama3_1b bfloat16
+    # A pass reads each layer's weights through a dynamic slice of their stack. XLA hands such a slice
+    # to cuBLAS in place only with dynamic-slice fusion, which it leaves off by default; without it
+    # each pass may copy every layer's weights first (docs/gpu.md, "The layers as a loop").
+    DSF=XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true"
+    shape smollm2_135m float32 "$DSF"
+    shape llama3_1b bfloat16 "$DSF"
     # What an iteration of each kind costs in the compiled loop, against a plain one.
     python3 tools/decode_ab.py --shape smollm2_135m --per-iteration 40 2>> "$OUT/passes.log" || echo "failed: see $OUT/passes.log"
   } | tee "$OUT/passes.txt" ;;

@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from s3d_jax import bundled, calibration, compile_cache, few_rows, options
+from s3d_jax import bundled, calibration, few_rows, options
 from s3d_jax.api import load
 from s3d_jax.generate import positive_int
 
@@ -48,7 +48,6 @@ def main(argv=None) -> int:
             raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
         few_rows.switched_on()
         calibration.switched_on()
-        compile_cache.enable()
         model = load(**options.load_arguments(args))
         name = args.served_model_name or (Path(args.model).name if args.model else bundled.model_dir().name.split(".format")[0])
         max_len = args.max_len or min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)  # a larger one is refused
