@@ -11,8 +11,9 @@ import tempfile
 
 import jax
 import pytest
+from reference import tiny_model
 
-from s3d_jax import compile_cache, decoding
+from s3d_jax import checkpoint, compile_cache, decoding
 from s3d_jax.bundled import gguf_path
 from s3d_jax.calibration import ENV_TRIES as ENV_CALIBRATE_TRIES
 from s3d_jax.checkpoint import CheckpointError
@@ -83,6 +84,13 @@ def release_compiled_code():
     yield
     decoding._executables.clear()
     jax.clear_caches()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny converted model without a tokenizer (random weights, seed 3)."""
+    tiny = tiny_model(seed=3)
+    return checkpoint.save(tmp_path_factory.mktemp("tiny") / "model", tiny.params, tiny.config)
 
 
 @pytest.fixture(scope="session")

@@ -295,13 +295,6 @@ def test_load_refuses_an_unknown_dtype_before_reading(tmp_path):
 # ------------------------------------------------------------------ the generate command line
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny converted model without a tokenizer."""
-    tiny = tiny_model(seed=3)
-    return checkpoint.save(tmp_path_factory.mktemp("tiny") / "model", tiny.params, tiny.config)
-
-
 @pytest.fixture
 def no_compile_cache(monkeypatch):
     """In-process mains must not point this test process's compilation cache at the user's directory."""
@@ -353,8 +346,8 @@ def test_generate_cli_flag_errors(argv, message, capsys, no_compile_cache):
 
 
 @pytest.mark.parametrize("argv,message", CLI_CASES)
-def test_generate_cli_errors(argv, message, model_dir, capsys, no_compile_cache):
-    argv = [{"MODEL": str(model_dir), "SHIPPED": str(bundled.DRAFTER)}.get(a, a) for a in argv]
+def test_generate_cli_errors(argv, message, tiny_model_dir, capsys, no_compile_cache):
+    argv = [{"MODEL": str(tiny_model_dir), "SHIPPED": str(bundled.DRAFTER)}.get(a, a) for a in argv]
     if "--prompt" not in argv:
         argv = ["--prompt", "hi", *argv]
     with time_limit(120):

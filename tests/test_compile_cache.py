@@ -2,17 +2,9 @@
 the setting that leaves it off."""
 
 import jax
-import pytest
-from reference import tiny_model
 
 import s3d_jax
-from s3d_jax import checkpoint, compile_cache
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    tiny = tiny_model(seed=3)
-    return checkpoint.save(tmp_path_factory.mktemp("tiny") / "model", tiny.params, tiny.config)
+from s3d_jax import compile_cache
 
 
 def test_compile_cache_enable_sets_the_persistent_cache(tmp_path, monkeypatch):
@@ -34,16 +26,16 @@ def test_compile_cache_enable_sets_the_persistent_cache(tmp_path, monkeypatch):
             jax.config.update(name, value)
 
 
-def test_load_turns_the_compile_cache_on_unless_switched_off(model_dir, tmp_path, monkeypatch):
+def test_load_turns_the_compile_cache_on_unless_switched_off(tiny_model_dir, tmp_path, monkeypatch):
     before = jax.config.jax_compilation_cache_dir
     try:
         jax.config.update("jax_compilation_cache_dir", None)
         monkeypatch.setenv("S3D_JAX_CACHE", str(tmp_path / "root"))
         monkeypatch.setenv(compile_cache.ENV_SWITCH, "0")
-        s3d_jax.load(model_dir)
+        s3d_jax.load(tiny_model_dir)
         assert jax.config.jax_compilation_cache_dir is None and not (tmp_path / "root" / "xla").exists()
         monkeypatch.delenv(compile_cache.ENV_SWITCH)
-        s3d_jax.load(model_dir)
+        s3d_jax.load(tiny_model_dir)
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "root" / "xla")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)

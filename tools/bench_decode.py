@@ -103,7 +103,8 @@ def run_jax(request: dict) -> dict:
 
 def method_memory(args) -> dict:
     """One method alone in this fresh process: memory (the device's on a GPU, else resident) once
-    JAX is up, after loading the model, after decoding the prompts (compiles included), and the peak."""
+    JAX is up, after loading the model, after decoding the prompts (compiles included), and the peak.
+    Its loops come from JAX's persistent cache (`api.load` turns it on), where the first process put them."""
     jax.devices()
     stages = {"JAX runtime": memory_now_mib()}
     model = api.load(**load_arguments(args))
