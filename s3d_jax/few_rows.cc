@@ -17,9 +17,11 @@
 #include <array>
 #include <atomic>
 #include <bit>
+#include <cmath>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <type_traits>
@@ -319,25 +321,18 @@ constexpr std::array<ColumnsFn, sizeof...(T) + 1> ColumnsTable(std::index_sequen
 template <typename W>
 constexpr auto kColumns = ColumnsTable<W>(std::make_index_sequence<kSweepRows<W>>());
 
-// The columns split into parts that the calling thread and the helper threads claim one at a time.
-// A caller never waits for a part nobody has claimed, so concurrent calls cannot starve each other.
+// Work split into parts that the calling thread and the helper threads claim one at a time (a
+// product's columns, a layer's attention heads). A caller never waits for a part nobody has claimed,
+// so concurrent calls cannot starve each other.
 struct Job {
-  const float* x;
-  const void* w;             // the weight's reader (Float32Weight, ...), alive until the job is done
-  const ColumnsFn* columns;  // kColumns of the reader's type
-  int64_t sweep_rows;        // and its kSweepRows
-  float* y;
-  int64_t M, K, N, part_columns, parts;
+  std::function<void(int64_t)> part;  // runs part p; what it refers to outlives the job's last part
+  int64_t parts;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void RunParts() {
     for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
-      const int64_t n0 = p * part_columns, n1 = std::min(N, n0 + part_columns);
-      for (int64_t m = 0; m < M; m += sweep_rows) {
-        const int64_t rows = std::min(sweep_rows, M - m);
-        columns[rows](x + m * K, w, y + m * N, K, n0, n1);
-      }
+      part(p);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -395,32 +390,33 @@ class Helpers {
   std::shared_ptr<Job> job_;
 };
 
-// Runs the product over the calling thread and the helpers; `reader` outlives the job, which ends
-// before this returns.
+// Runs parts 0 .. parts - 1 of `part` over the calling thread and the helpers, and returns when all are done.
+template <typename Part>
+void Share(int64_t parts, Part&& part) {
+  auto job = std::make_shared<Job>();
+  job->part = std::forward<Part>(part);
+  job->parts = parts;
+  if (parts > 1) Helpers::Get().Post(job);
+  job->RunParts();
+  while (job->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+}
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The product over the calling thread and the helpers.
 template <typename W>
 void Run(const float* x, const W& reader, float* y, int64_t M, int64_t K) {
-  auto job = std::make_shared<Job>();
-  job->columns = kColumns<W>.data();
-  job->sweep_rows = kSweepRows<W>;
-  job->x = x;
-  job->w = &reader;
-  job->y = y;
-  job->M = M;
-  job->K = K;
-  job->N = reader.N;
-  Helpers& helpers = Helpers::Get();
   // Each thread's share of the columns, streamed in long contiguous runs of the weight's rows: in one
   // part, or in as many equal parts as keep each run within kPartBytes, so that every thread claims
   // the same number of parts.
-  const int64_t threads = helpers.size() + 1;
-  const auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
-  const int64_t share = ceil_div(job->N, threads);
-  const int64_t rounds = std::max<int64_t>(1, ceil_div(share * int64_t{sizeof(*reader.w)}, kPartBytes));
-  job->part_columns = std::max<int64_t>(256, ceil_div(ceil_div(share, rounds), kColumnAlign) * kColumnAlign);
-  job->parts = ceil_div(job->N, job->part_columns);
-  if (job->parts > 1) helpers.Post(job);
-  job->RunParts();
-  while (job->done.load(std::memory_order_acquire) < job->parts) std::this_thread::yield();
+  const int64_t N = reader.N, threads = Helpers::Get().size() + 1;
+  const int64_t share = CeilDiv(N, threads);
+  const int64_t rounds = std::max<int64_t>(1, CeilDiv(share * int64_t{sizeof(*reader.w)}, kPartBytes));
+  const int64_t part_columns = std::max<int64_t>(256, CeilDiv(CeilDiv(share, rounds), kColumnAlign) * kColumnAlign);
+  Share(CeilDiv(N, part_columns), [&](int64_t p) {
+    const int64_t n0 = p * part_columns, n1 = std::min(N, n0 + part_columns);
+    for (int64_t m = 0; m < M; m += kSweepRows<W>) kColumns<W>[std::min(kSweepRows<W>, M - m)](x + m * K, &reader, y + m * N, K, n0, n1);
+  });
 }
 
 // Which of a stack's L entries an operation reads: the layer that the decode passes' loop over the
@@ -494,13 +490,17 @@ ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi
   return ffi::Error::Success();
 }
 
-// Attention of a pass's few query rows over the cache: only slots below a row's `bound` (its cached
-// length) are read. XLA's dot reads every allocated slot, masked or not, so a step's attention cost
-// the allocation rather than the context. Every sum runs in a fixed order from slot 0 (or over E),
-// the same whatever the bound, the rows or the thread: a slot past a row's context has probability
-// exactly 0, so adding it would change nothing.
+// A decode pass's attention, fused: its few query rows against the cache's live slots (those below
+// a row's `bound`, its cached length) and the pass's own block of keys, softmax and the weighted
+// values in one call per layer. XLA read every allocated slot, masked or not, and spent more on the
+// softmax and the block's small products around two kernels than the kernels spent on the cache.
+// Each row's result is computed alone, in a fixed order (each score over E in order, the sums over
+// slots lane by lane from slot 0), whatever the rows beside it or the slots past its bound.
+typedef int32_t Ints __attribute__((vector_size(64)));
+constexpr Ints kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 typedef float Lanes8 __attribute__((vector_size(32)));
 typedef float Lanes4 __attribute__((vector_size(16)));
+
 // The 16 lanes' sum as a fixed tree of halves: the same order every time, in a few shuffles.
 inline float SumLanes(Lanes v) {
   const Lanes8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -508,76 +508,189 @@ inline float SumLanes(Lanes v) {
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
-// scores [B, K, R, S] = q [B, K, R, E] . keys [B, K, S, E] over E, for s < bound[b]; 0 beyond.
-// The lanes are 16 query rows, so a score is summed over e in order, one product at a time, whatever
-// the rows, slots or tiles around it; 8 slots at a time share each load of the queries.
-template <int kSlots>
-void ScoreSlots(const float* q_t, const float* keys, float* scores, int64_t rows, int64_t S, int64_t E, int64_t s) {
-  Lanes acc[kSlots] = {};
-  for (int64_t e = 0; e < E; ++e) {
-    const Lanes q = *reinterpret_cast<const Lanes*>(q_t + e * 16);
-    for (int j = 0; j < kSlots; ++j) acc[j] += q * keys[(s + j) * E + e];
-  }
-  for (int j = 0; j < kSlots; ++j)
-    for (int64_t i = 0; i < rows; ++i) scores[i * S + s + j] = acc[j][i];
+inline float MaxLanes(Lanes v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
 }
 
-void CacheScoresHead(const float* q, const float* keys, float* scores, int64_t R, int64_t S, int64_t E, int64_t n) {
-  thread_local std::vector<float> q_t;  // 16 rows' queries, transposed: [E, 16]
-  q_t.resize(E * 16);
-  for (int64_t r0 = 0; r0 < R; r0 += 16) {
-    const int64_t rows = std::min<int64_t>(16, R - r0);
-    std::fill(q_t.begin(), q_t.end(), 0.0f);
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t e = 0; e < E; ++e) q_t[e * 16 + i] = q[(r0 + i) * E + e];
-    float* out = scores + r0 * S;
-    int64_t s = 0;
-    for (; s + 8 <= n; s += 8) ScoreSlots<8>(q_t.data(), keys, out, rows, S, E, s);
-    for (; s < n; ++s) ScoreSlots<1>(q_t.data(), keys, out, rows, S, E, s);
-  }
-  for (int64_t r = 0; r < R; ++r) std::memset(scores + r * S + n, 0, sizeof(float) * (S - n));
+// exp(x) for x <= 0 (a score less the row's maximum), within about 2 ulp; x below -87 gives 0.
+// exp(x) = 2^n exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by Cephes's polynomial for expf.
+inline Lanes ExpNonPositive(Lanes x) {
+  const Lanes floor_x = x < -87.0f ? Lanes{} - 87.0f : x;
+  const Lanes n = (floor_x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const Lanes r = (floor_x - n * 0.693359375f) - n * -2.12194440e-4f;
+  Lanes p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
+  const Lanes scaled = p * reinterpret_cast<const Lanes&>(bits);
+  return x < -87.0f ? Lanes{} : scaled;
 }
 
-// out [B, K, R, E] = sum over s < bound[b] of probs [B, K, R, S] * values [B, K, E, S]. A lane holds
-// the slots s = lane (mod 16), summed from slot 0 on and then over the lanes by `SumLanes`, whatever
-// the bound (the last 16 slots padded with zeros) or the rows beside it.
-template <int kRows>
-void WeighValues(const float* probs, const Lanes* probs_tail, const float* values, float* out, int64_t S, int64_t E, int64_t n) {
+// 16 vectors transposed in place: v[d][j] becomes v[j][d]. Stage M swaps bit M of the row index with
+// bit M of the lane index.
+#define S3D_UNPAREN(...) __VA_ARGS__
+#define S3D_TRANSPOSE_STAGE(M, KEEP, SWAP)                  \
+  for (int r = 0; r < 16; ++r)                              \
+    if (!(r & M)) {                                         \
+      const Lanes a = v[r], b = v[r | M];                   \
+      v[r] = __builtin_shufflevector(a, b, S3D_UNPAREN KEEP); \
+      v[r | M] = __builtin_shufflevector(a, b, S3D_UNPAREN SWAP); \
+    }
+inline void Transpose16(Lanes (&v)[16]) {
+  S3D_TRANSPOSE_STAGE(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30), (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+  S3D_TRANSPOSE_STAGE(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29), (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+  S3D_TRANSPOSE_STAGE(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27), (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+  S3D_TRANSPOSE_STAGE(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23), (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+}
+#undef S3D_TRANSPOSE_STAGE
+#undef S3D_UNPAREN
+
+// Scores of T query rows with the `live` (<= 16) cached keys from slot s, lanes over the slots: 16
+// keys' dimensions are transposed in registers, so a step's 3 query rows do not fill 16 lanes with
+// zeros. Slots past `live` are not read. The next 16 slots are prefetched: short runs of keys, which
+// the hardware prefetcher finds late.
+template <int T>
+void ScoreSlots(const float* q, const float* keys, float* scores, int64_t stride, int64_t E, int64_t s, int64_t live, float scale) {
+  Lanes acc[T] = {};
+  for (int64_t e0 = 0; e0 < E; e0 += 16) {
+    Lanes k[16];
+    for (int j = 0; j < 16; ++j) k[j] = j < live ? *reinterpret_cast<const Lanes*>(keys + (s + j) * E + e0) : Lanes{};
+    for (int j = 0; j < 16; ++j) __builtin_prefetch(keys + (s + 16 + j) * E + e0);
+    Transpose16(k);
+    for (int d = 0; d < 16; ++d)
+      for (int t = 0; t < T; ++t) acc[t] += q[t * E + e0 + d] * k[d];
+  }
+  for (int t = 0; t < T; ++t) *reinterpret_cast<Lanes*>(scores + t * stride + s) = acc[t] * scale;
+}
+
+// out[t, e0 + x] = sum over slots s < n of p[t, s] v[e0 + x, s], for T rows and kE dimensions: lane l
+// sums the slots s = l (mod 16) from slot 0, then `SumLanes`. p is 0 past n; v's rows are read up to n.
+template <int T, int kE>
+void WeighValues(const float* p, int64_t stride, const float* values, int64_t S, int64_t n, int64_t e0, float* out, int64_t E) {
   const int64_t whole = n / 16 * 16;
-  for (int64_t e = 0; e < E; ++e) {
-    const float* v = values + e * S;
-    Lanes acc[kRows] = {};
-    for (int64_t s = 0; s < whole; s += 16) {
-      const Lanes vs = *reinterpret_cast<const Lanes*>(v + s);
-      for (int i = 0; i < kRows; ++i) acc[i] += *reinterpret_cast<const Lanes*>(probs + i * S + s) * vs;
+  Lanes acc[kE][T] = {};
+  for (int64_t s = 0; s < whole; s += 16) {
+    Lanes v[kE];
+    for (int x = 0; x < kE; ++x) v[x] = *reinterpret_cast<const Lanes*>(values + (e0 + x) * S + s);
+    if (e0 + kE < E)
+      for (int x = 0; x < kE; ++x) __builtin_prefetch(values + (e0 + kE + x) * S + s);
+    for (int t = 0; t < T; ++t) {
+      const Lanes pt = *reinterpret_cast<const Lanes*>(p + t * stride + s);
+      for (int x = 0; x < kE; ++x) acc[x][t] += pt * v[x];
     }
-    if (whole < n) {
-      Lanes v_tail = {};
-      for (int64_t s = whole; s < n; ++s) v_tail[s - whole] = v[s];
-      for (int i = 0; i < kRows; ++i) acc[i] += probs_tail[i] * v_tail;
-    }
-    for (int i = 0; i < kRows; ++i) out[i * E + e] = SumLanes(acc[i]);
   }
+  if (whole < n) {
+    for (int x = 0; x < kE; ++x) {
+      Lanes v = {};
+      for (int64_t s = whole; s < n; ++s) v[s - whole] = values[(e0 + x) * S + s];
+      for (int t = 0; t < T; ++t) acc[x][t] += *reinterpret_cast<const Lanes*>(p + t * stride + whole) * v;
+    }
+  }
+  for (int x = 0; x < kE; ++x)
+    for (int t = 0; t < T; ++t) out[t * E + e0 + x] = SumLanes(acc[x][t]);
 }
 
-constexpr int kValueRows = 8;
-using WeighValuesFn = void (*)(const float*, const Lanes*, const float*, float*, int64_t, int64_t, int64_t);
+constexpr int kScoreRows = 8;   // rows per sweep of the scores: 8 accumulators beside 16 transposed keys
+constexpr int kAttendRows = 16;  // rows per sweep of the values
+using ScoreSlotsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, float);
+using WeighValuesFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+template <size_t... I>
+constexpr std::array<ScoreSlotsFn, sizeof...(I) + 1> ScoreSlotsTable(std::index_sequence<I...>) {
+  return {nullptr, ScoreSlots<I + 1>...};
+}
+// Dimensions per sweep of the values: few rows share each load of their probabilities among more.
+template <int T>
+constexpr int kValueDims = T <= 4 ? 4 : T <= 8 ? 2 : 1;
 template <size_t... I>
 constexpr std::array<WeighValuesFn, sizeof...(I) + 1> WeighValuesTable(std::index_sequence<I...>) {
-  return {nullptr, WeighValues<I + 1>...};
+  return {nullptr, WeighValues<I + 1, kValueDims<I + 1>>...};
 }
-constexpr auto kWeighValues = WeighValuesTable(std::make_index_sequence<kValueRows>());
+constexpr auto kScoreSlots = ScoreSlotsTable(std::make_index_sequence<kScoreRows>());
+constexpr auto kWeighValues = WeighValuesTable(std::make_index_sequence<kAttendRows>());
+constexpr std::array<int, kAttendRows + 1> kValueDimsOf = {0, 4, 4, 4, 4, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1};
 
-void CacheValuesHead(const float* probs, const float* values, float* out, int64_t R, int64_t S, int64_t E, int64_t n) {
-  const int64_t whole = n / 16 * 16;
-  for (int64_t r0 = 0; r0 < R; r0 += kValueRows) {
-    const int64_t rows = std::min<int64_t>(kValueRows, R - r0);
-    Lanes probs_tail[kValueRows] = {};
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t s = whole; s < n; ++s) probs_tail[i][s - whole] = probs[(r0 + i) * S + s];
-    kWeighValues[rows](probs + r0 * S, probs_tail, values, out + r0 * E, S, E, n);
+// One KV head's share of a pass's attention: rows q [R, E] (row r is the block's token r % T) over
+// the cache's keys [S, E] and values [E, S] at slots s < n, and the block's keys and values [T, E]
+// where mask [T, T] allows. In three steps, each split among threads: the scores of a range of
+// slots, the softmax of a range of rows, the weighted values of a range of dimensions.
+struct Head {
+  const float *q, *keys, *values, *block_keys, *block_values;
+  const bool* mask;
+  float* out;
+  int64_t R, T, S, E, n, width;  // width: n rounded up to whole 16-slot vectors
+  float scale;
+  float *scores, *block, *sums;  // [R, width], [R, T], [R]: probabilities once normalized, unscaled
+
+  void Score(int64_t s0, int64_t s1) const {
+    for (int64_t s = s0; s < s1; s += 16)
+      for (int64_t r = 0; r < R; r += kScoreRows)
+        kScoreSlots[std::min<int64_t>(kScoreRows, R - r)](q + r * E, keys, scores + r * width, width, E, s, std::min<int64_t>(16, n - s),
+                                                          scale);
   }
-}
+
+  // Each row's probabilities, exp(score - its maximum), and their sum, over its live slots and the
+  // block's keys it sees; 0 elsewhere.
+  void Normalize(int64_t r0, int64_t r1) const {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* qr = q + r * E;
+      const bool* sees = mask + r % T * T;
+      float *row = scores + r * width, *own = block + r * T;
+      float top = -INFINITY;
+      for (int64_t j = 0; j < T; ++j) {
+        own[j] = 0;
+        if (!sees[j]) continue;
+        float dot = 0;
+        for (int64_t e = 0; e < E; ++e) dot += qr[e] * block_keys[j * E + e];
+        own[j] = dot * scale;
+        top = std::max(top, own[j]);
+      }
+      Lanes top_lanes = Lanes{} - INFINITY;
+      for (int64_t s = 0; s < width; s += 16) {
+        const Lanes x = *reinterpret_cast<const Lanes*>(row + s);
+        top_lanes = (kLaneIndex + int32_t(s) < int32_t(n)) & (x > top_lanes) ? x : top_lanes;
+      }
+      top = std::max(top, MaxLanes(top_lanes));
+      Lanes total = {};
+      for (int64_t s = 0; s < width; s += 16) {
+        const Lanes p = ExpNonPositive(*reinterpret_cast<const Lanes*>(row + s) - top);
+        const Lanes kept = kLaneIndex + int32_t(s) < int32_t(n) ? p : Lanes{};
+        *reinterpret_cast<Lanes*>(row + s) = kept;
+        total += kept;
+      }
+      float sum = SumLanes(total);
+      for (int64_t j = 0; j < T; ++j) {
+        own[j] = sees[j] ? ExpNonPositive(Lanes{} + (own[j] - top))[0] : 0.0f;
+        sum += own[j];
+      }
+      sums[r] = sum;
+    }
+  }
+
+  void Weigh(int64_t e0, int64_t e1) const {
+    for (int64_t r0 = 0; r0 < R; r0 += kAttendRows) {
+      const int64_t rows = std::min<int64_t>(kAttendRows, R - r0), dims = kValueDimsOf[rows];
+      for (int64_t e = e0; e < e1; e += dims) kWeighValues[rows](scores + r0 * width, width, values, S, n, e, out + r0 * E, E);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      float* o = out + r * E;
+      for (int64_t j = 0; j < T; ++j)
+        if (block[r * T + j] != 0)
+          for (int64_t e = e0; e < e1; ++e) o[e] += block[r * T + j] * block_values[j * E + e];
+      const float inverse = sums[r] > 0 ? 1.0f / sums[r] : 0.0f;  // a row that sees nothing gives 0
+      for (int64_t e = e0; e < e1; ++e) o[e] *= inverse;
+    }
+  }
+};
+
+// Slots per part of the scores and dimensions per part of the values: enough work to be worth a
+// thread's hand-off, and whole vectors (the values' sweeps take up to 4 dimensions at a time).
+constexpr int64_t kSlotsPerPart = 256;
+constexpr int64_t kDimsPerPart = 16;
 
 // Calls `head(b * K + k, n)` for every row b and KV head k, n being row b's bound clamped to [0, S].
 template <typename Head>
@@ -588,35 +701,50 @@ void EachHead(ffi::Buffer<ffi::S32>& bound, int64_t K, int64_t S, Head head) {
   }
 }
 
-ffi::Error CacheScores(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::S32> bound, ffi::Buffer<ffi::S32> at,
-                       ffi::ResultBuffer<ffi::F32> scores) {
-  const auto qd = q.dimensions(), kd = keys.dimensions(), bd = bound.dimensions();
+// out [B, K, R, E]: rows q [B, K, R, E] (R = G query heads x T tokens, row r the token r % T) attend
+// to layer `at` of the cache, keys [L, B, K, S, E] and values [L, B, K, E, S], at the slots below
+// bound[b], and to the block's keys and values [B, K, T, E] where mask [B, T, T] allows.
+ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
+                          ffi::Buffer<ffi::F32> block_keys, ffi::Buffer<ffi::F32> block_values, ffi::Buffer<ffi::PRED> mask,
+                          ffi::Buffer<ffi::S32> bound, ffi::Buffer<ffi::S32> at, float scale, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions(), bk = block_keys.dimensions(),
+             md = mask.dimensions();
   int64_t entry;
-  if (qd.size() != 4 || kd.size() != 5 || bd.size() != 1 || qd[0] != kd[1] || qd[1] != kd[2] || qd[3] != kd[4] || bd[0] != qd[0] ||
-      !Entry(at, kd[0], &entry)) {
-    return ffi::Error::InvalidArgument("cache_scores: expected q [B, K, R, E], keys [L, B, K, S, E], bound [B] and an entry 0 <= at < L");
-  }
-  const int64_t K = qd[1], R = qd[2], E = qd[3], S = kd[3];
-  const float* layer_keys = keys.typed_data() + entry * qd[0] * K * S * E;
-  EachHead(bound, K, S, [&](int64_t head, int64_t n) {
-    CacheScoresHead(q.typed_data() + head * R * E, layer_keys + head * S * E, scores->typed_data() + head * R * S, R, S, E, n);
-  });
-  return ffi::Error::Success();
-}
-
-ffi::Error CacheValues(ffi::Buffer<ffi::F32> probs, ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> bound, ffi::Buffer<ffi::S32> at,
-                       ffi::ResultBuffer<ffi::F32> out) {
-  const auto pd = probs.dimensions(), vd = values.dimensions(), bd = bound.dimensions();
-  int64_t entry;
-  if (pd.size() != 4 || vd.size() != 5 || bd.size() != 1 || pd[0] != vd[1] || pd[1] != vd[2] || pd[3] != vd[4] || bd[0] != pd[0] ||
-      !Entry(at, vd[0], &entry)) {
+  const bool shapes = qd.size() == 4 && kd.size() == 5 && vd.size() == 5 && bk.size() == 4 && md.size() == 3 &&
+                      block_values.dimensions().size() == 4 && bound.dimensions().size() == 1;
+  if (!shapes || kd[1] != qd[0] || kd[2] != qd[1] || kd[4] != qd[3] || vd[0] != kd[0] || vd[1] != qd[0] || vd[2] != qd[1] ||
+      vd[3] != qd[3] || vd[4] != kd[3] || bk[0] != qd[0] || bk[1] != qd[1] || bk[3] != qd[3] || qd[3] % 16 || qd[2] % bk[2] ||
+      md[0] != qd[0] || md[1] != bk[2] || md[2] != bk[2] || bound.dimensions()[0] != qd[0] || !Entry(at, kd[0], &entry)) {
     return ffi::Error::InvalidArgument(
-        "cache_values: expected probs [B, K, R, S], values [L, B, K, E, S], bound [B] and an entry 0 <= at < L");
+        "cache_attention: expected q [B, K, R, E], keys [L, B, K, S, E], values [L, B, K, E, S], block keys and values "
+        "[B, K, T, E] with T dividing R and 16 dividing E, mask [B, T, T], bound [B] and an entry 0 <= at < L");
   }
-  const int64_t K = pd[1], R = pd[2], S = pd[3], E = vd[3];
-  const float* layer_values = values.typed_data() + entry * pd[0] * K * E * S;
+  const int64_t B = qd[0], K = qd[1], R = qd[2], E = qd[3], S = kd[3], T = bk[2];
+  const int64_t layer = entry * B * K * S * E, width = CeilDiv(S, 16) * 16;
+  thread_local std::vector<float> workspace;
+  workspace.resize(B * K * R * (width + T + 1));
+  std::vector<Head> heads;
   EachHead(bound, K, S, [&](int64_t head, int64_t n) {
-    CacheValuesHead(probs.typed_data() + head * R * S, layer_values + head * E * S, out->typed_data() + head * R * E, R, S, E, n);
+    float* scratch = workspace.data() + head * R * (width + T + 1);
+    heads.push_back(Head{q.typed_data() + head * R * E, keys.typed_data() + layer + head * S * E,
+                         values.typed_data() + layer + head * E * S, block_keys.typed_data() + head * T * E,
+                         block_values.typed_data() + head * T * E, mask.typed_data() + head / K * T * T, out->typed_data() + head * R * E,
+                         R, T, S, E, n, CeilDiv(n, 16) * 16, scale, scratch, scratch + R * width, scratch + R * (width + T)});
+  });
+  const int64_t H = heads.size(), slot_parts = std::max<int64_t>(1, CeilDiv(S, kSlotsPerPart)), dim_parts = CeilDiv(E, kDimsPerPart);
+  Share(H * slot_parts, [&](int64_t p) {
+    const Head& h = heads[p / slot_parts];
+    const int64_t s0 = p % slot_parts * kSlotsPerPart;
+    if (s0 < h.n) h.Score(s0, std::min(h.n, s0 + kSlotsPerPart));
+  });
+  const int64_t row_parts = std::min<int64_t>(R, 2);
+  Share(H * row_parts, [&](int64_t p) {
+    const int64_t share = CeilDiv(R, row_parts), r0 = p % row_parts * share;
+    heads[p / row_parts].Normalize(r0, std::min(R, r0 + share));
+  });
+  Share(H * dim_parts, [&](int64_t p) {
+    const int64_t e0 = p % dim_parts * kDimsPerPart;
+    heads[p / dim_parts].Weigh(e0, std::min(E, e0 + kDimsPerPart));
   });
   return ffi::Error::Success();
 }
@@ -694,20 +822,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt4, FewRowMatmulInt4,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dCacheScores, CacheScores,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dCacheAttention, CacheAttention,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dCacheValues, CacheValues,
-                              ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dContextLogits, ContextLogits,

@@ -14,8 +14,8 @@ a float32, bfloat16, float16, int8 or int4 weight (`quant`), at most `MAX_ROWS` 
 (`MAX_NARROW_ROWS` for the narrower types), the switch on), `jnp.tensordot` everywhere else, with
 a quantized weight dequantized first. It is differentiable.
 
-`cache_scores` and `cache_values` are a decode pass's attention over the KV cache, reading each
-row's slots below its cached length only, where XLA's dot reads every allocated slot
+`cache_attention` is a decode pass's attention over the KV cache and its own block in one call,
+reading each row's slots below its cached length only, where XLA's dot reads every allocated slot
 (`model.Prefix`), and `column_logits` scores only a row's live context ids; `float32_handlers_apply`
 says when these apply. Settings (docs/cpu.md):
 - `S3D_JAX_FEW_ROW_KERNEL`: `0`/`false`/`no`/`off` keeps every product and the attention on XLA's dot. It is read
@@ -45,6 +45,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 from s3d_jax import quant
 from s3d_jax.paths import cache_root
@@ -54,8 +55,7 @@ SOURCE = Path(__file__).with_name("few_rows.cc")
 TARGET = "s3d_few_row_matmul"
 TARGET_INT8 = "s3d_few_row_matmul_int8"
 TARGET_INT4 = "s3d_few_row_matmul_int4"
-TARGET_CACHE_SCORES = "s3d_cache_scores"
-TARGET_CACHE_VALUES = "s3d_cache_values"
+TARGET_CACHE_ATTENTION = "s3d_cache_attention"
 TARGET_CONTEXT_LOGITS = "s3d_context_logits"
 MAX_ROWS = 16  # beyond this (prefill, training) XLA's dot is the faster one
 # A 16-bit or quantized weight's products stay in the kernel longer: XLA's CPU dot widens the whole
@@ -190,8 +190,8 @@ def _load(path: Path) -> dict:
     """The library's handlers by FFI target, its helper threads configured."""
     library = ctypes.cdll.LoadLibrary(str(path))
     handlers = {TARGET: library.S3dFewRowMatmul, TARGET_INT8: library.S3dFewRowMatmulInt8,  # AttributeError: not our library
-                TARGET_INT4: library.S3dFewRowMatmulInt4, TARGET_CACHE_SCORES: library.S3dCacheScores,
-                TARGET_CACHE_VALUES: library.S3dCacheValues, TARGET_CONTEXT_LOGITS: library.S3dContextLogits}
+                TARGET_INT4: library.S3dFewRowMatmulInt4, TARGET_CACHE_ATTENTION: library.S3dCacheAttention,
+                TARGET_CONTEXT_LOGITS: library.S3dContextLogits}
     configure = library.S3dFewRowConfigure
     configure.argtypes = [ctypes.c_int64, ctypes.c_int64]
     configure(threads(), spin_microseconds())
@@ -339,32 +339,10 @@ def batched_matmul(x_SMK, w_LSKN, at, precision=None):
 
 def float32_handlers_apply(*dtypes) -> bool:
     """Whether the kernel's float32-only handlers apply to operands of these dtypes (decided when
-    tracing): attention over each row's live cache slots (`cache_scores`, `cache_values`) and the
+    tracing): a decode pass's attention over each row's live cache slots (`cache_attention`) and the
     draft head's live context columns (`column_logits`)."""
     return (all(d == jnp.float32 for d in dtypes) and jax.default_backend() == "cpu" and jax.device_count() == 1
             and available())
-
-
-def context_scores(q_BTKGE, keys_LBKSE, at, lengths_B=None, precision=None):
-    """`[B, K, G, T, S]`: the queries' dots with the keys of layer `at` of the context `[L, ...]`. With
-    `lengths_B` (the cache's, `model.Prefix`) a slot at or past its row's length is 0, and the kernel,
-    where it applies, never reads it; XLA's dot reads every slot."""
-    B, T, K, G, E = q_BTKGE.shape
-    if lengths_B is not None and float32_handlers_apply(q_BTKGE.dtype, keys_LBKSE.dtype):
-        q_BKRE = q_BTKGE.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, E)
-        return cache_scores(q_BKRE, keys_LBKSE, lengths_B, at).reshape(B, K, G, T, -1)
-    return jnp.einsum("btkge,bkse->bkgts", q_BTKGE, entry(keys_LBKSE, at), preferred_element_type=jnp.float32, precision=precision)
-
-
-def context_values(probs_BKGTS, values_LBKES, at, lengths_B=None, precision=None):
-    """`[B, T, K, G, E]`: layer `at`'s context values weighted by `probs`, which must be 0 at a slot at
-    or past its row's length where `lengths_B` is given (the kernel does not read those)."""
-    B, K, G, T, S = probs_BKGTS.shape
-    if lengths_B is not None and float32_handlers_apply(probs_BKGTS.dtype, values_LBKES.dtype):
-        out_BKRE = cache_values(probs_BKGTS.reshape(B, K, G * T, S), values_LBKES, lengths_B, at)
-        return out_BKRE.reshape(B, K, G, T, -1).transpose(0, 3, 1, 2, 4)
-    return jnp.einsum("bkgts,bkes->btkge", probs_BKGTS, entry(values_LBKES, at), preferred_element_type=jnp.float32,
-                      precision=precision)
 
 
 def column_logits(hidden_BTD, table_DV, ids_BL, counts_B, precision=None):
@@ -381,23 +359,28 @@ def column_logits(hidden_BTD, table_DV, ids_BL, counts_B, precision=None):
                       precision=precision)
 
 
-def cache_scores(q_BKRE, keys_LBKSE, lengths_B, at):
-    """`[B, K, R, S]`: each query row's dot with each key of layer `at` of the cache, over E, at the
-    slots `s < lengths[b]` of its row; 0 at the others, which the caller masks. Slots past a row's
-    length are never read."""
-    B, K, R, _ = q_BKRE.shape
-    return _cache_call(TARGET_CACHE_SCORES, (B, K, R, keys_LBKSE.shape[3]), q_BKRE, keys_LBKSE, lengths_B, at)
+MAX_ATTENTION_TOKENS = 64  # a decode pass's block, at most: a prefill's attention stays with XLA
 
 
-def cache_values(probs_BKRS, values_LBKES, lengths_B, at):
-    """`[B, K, R, E]`: each query row's probabilities times layer `at`'s cached values, summed over
-    the slots `s < lengths[b]` of its row, the only ones read (the others must have probability 0)."""
-    B, K, R, _ = probs_BKRS.shape
-    return _cache_call(TARGET_CACHE_VALUES, (B, K, R, values_LBKES.shape[3]), probs_BKRS, values_LBKES, lengths_B, at)
+def cache_attention_applies(block_len: int, head_dim: int, *dtypes) -> bool:
+    """Whether `cache_attention` applies to a pass of `block_len` tokens, heads of `head_dim` (whole
+    vectors of 16) and operands of these dtypes."""
+    return block_len <= MAX_ATTENTION_TOKENS and head_dim % 16 == 0 and float32_handlers_apply(*dtypes)
 
 
-def _cache_call(target, shape, x, cached, lengths_B, at):
+def cache_attention(q_BTKGE, keys_LBKSE, values_LBKES, k_BTKE, v_BTKE, block_mask_BTT, lengths_B, at, scale: float):
+    """`[B, T, K, G, E]`: a decode pass's attention of its queries over layer `at` of the cache (keys
+    `[L, B, K, S, E]`, values `[L, B, K, E, S]`) at the slots below each row's `lengths_B`, and over
+    its own block's keys and values where `block_mask_BTT` allows: scores, softmax and the weighted
+    values in one kernel call, which reads no slot past a row's length."""
     if not _registered():
         raise RuntimeError("attention over the cache needs the few-row CPU kernel, which is unavailable here (see the warning above)")
-    out = jax.ShapeDtypeStruct(shape, jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, cached, lengths_B.astype(jnp.int32), _at(at))
+    B, T, K, G, E = q_BTKGE.shape
+    q_BKRE = q_BTKGE.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, E)  # row g * T + t
+    block_k_BKTE, block_v_BKTE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
+    mask_BTT = jnp.broadcast_to(block_mask_BTT, (B, T, T))
+    out = jax.ShapeDtypeStruct(q_BKRE.shape, jnp.float32)
+    out_BKRE = jax.ffi.ffi_call(TARGET_CACHE_ATTENTION, out, vmap_method="sequential")(
+        q_BKRE, keys_LBKSE, values_LBKES, block_k_BKTE, block_v_BKTE, mask_BTT, lengths_B.astype(jnp.int32), _at(at),
+        scale=np.float32(scale))
+    return out_BKRE.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4)

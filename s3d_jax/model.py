@@ -146,6 +146,46 @@ def softcap(x, cap: float | None):
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
+def xla_attention(c: ModelConfig, layer, q_BTKGE, k_BTKE, v_BTKE, positions_BT, context_kv, context_positions_BS, context_mask_BTS,
+                  block_mask_BTT, scale: float):
+    """`[B, T, K, G, E]`: attention over the context and the block by XLA's operations, for every pass
+    that `few_rows.cache_attention` does not take (training, the prompt pass, other backends, sharded
+    runs, sliding windows, softcaps, a `Band`)."""
+    B, T, K, G, E = q_BTKGE.shape
+    f32 = jnp.float32
+    k_BKTE, v_BKET = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 3, 1)
+    context_k_LBKSE, context_v_LBKES = context_kv
+    S = context_k_LBKSE.shape[3]
+    band = block_mask_BTT if isinstance(block_mask_BTT, Band) else None
+    context_mask_BTS = context_mask_BTS.mask(T, S) if isinstance(context_mask_BTS, Prefix) else context_mask_BTS
+    scores_ctx = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, few_rows.entry(context_k_LBKSE, layer), preferred_element_type=f32,
+                            precision=c.precision) * scale
+    q_pos_BT1 = positions_BT[:, :, None]
+    if band is not None:  # the block's keys t - j for each query t: a product and sum over E, no matmul
+        k_BTWKE, v_BTWKE = band.keys(k_BTKE), band.keys(v_BTKE)
+        scores_blk = jnp.einsum("btkge,btwke->bkgtw", q_BTKGE, k_BTWKE, precision=c.precision) * scale
+        block_mask_BTT = band.mask_BTW & window_mask(c, layer, q_pos_BT1, band.keys(positions_BT))
+    elif T == 1:  # a plain step: the token's one block key, a product and sum over E rather than a matmul
+        scores_blk = (q_BTKGE * k_BTKE[:, :, :, None]).sum(-1).transpose(0, 2, 3, 1)[..., None] * scale
+    else:
+        scores_blk = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKTE, preferred_element_type=f32, precision=c.precision) * scale
+        block_mask_BTT = block_mask_BTT & window_mask(c, layer, q_pos_BT1, positions_BT[:, None, :])
+    scores_ctx, scores_blk = softcap(scores_ctx, c.attn_softcap), softcap(scores_blk, c.attn_softcap)
+    context_mask_BTS = context_mask_BTS & window_mask(c, layer, q_pos_BT1, context_positions_BS[:, None, :])
+    scores = jnp.concatenate([jnp.where(context_mask_BTS[:, None, None], scores_ctx, NEG_INF),
+                              jnp.where(block_mask_BTT[:, None, None], scores_blk, NEG_INF)], axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out_BTKGE = jnp.einsum("bkgts,bkes->btkge", probs[..., :S], few_rows.entry(context_v_LBKES, layer), preferred_element_type=f32,
+                           precision=c.precision)
+    if band is not None:
+        out_BTKGE += jnp.einsum("bkgtw,btwke->btkge", probs[..., S:], v_BTWKE, preferred_element_type=f32, precision=c.precision)
+    elif T == 1:
+        out_BTKGE += probs[..., S:].transpose(0, 3, 1, 2, 4) * v_BTKE[:, :, :, None]
+    else:
+        out_BTKGE += jnp.einsum("bkgts,bkes->btkge", probs[..., S:], v_BKET, preferred_element_type=f32, precision=c.precision)
+    return out_BTKGE
+
+
 class Attention(nn.Module):
     config: ModelConfig
 
@@ -165,41 +205,21 @@ class Attention(nn.Module):
         q_BTHE, k_BTKE = rope(q_BTHE, positions_BT, inv_freq), rope(k_BTKE, positions_BT, inv_freq)
 
         q_BTKGE = q_BTHE.reshape(B, T, K, G, E)
-        # Keys are laid out [B, K, S, E] and values [B, K, E, S], as in the cache: in both attention
-        # matmuls the heads are a batch axis and the contracted axis is minor, which is the layout
-        # XLA's CPU dot wants; any other layout makes it transpose (copy) the whole cache per step.
-        k_BKTE, v_BKET = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 3, 1)
         context_k_LBKSE, context_v_LBKES = context_kv  # every layer's: this layer's is read in place
-        f32, scale = jnp.float32, (c.query_pre_attn_scalar or E) ** -0.5
-        S = context_k_LBKSE.shape[3]
+        scale = (c.query_pre_attn_scalar or E) ** -0.5
         lengths_B = context_mask_BTS.lengths_B if isinstance(context_mask_BTS, Prefix) else None  # the cache's
-        context_mask_BTS = context_mask_BTS.mask(T, S) if lengths_B is not None else context_mask_BTS
-        scores_ctx = few_rows.context_scores(q_BTKGE, context_k_LBKSE, layer, lengths_B, c.precision) * scale
-        q_pos_BT1 = positions_BT[:, :, None]
-        band = block_mask_BTT if isinstance(block_mask_BTT, Band) else None
-        if band is not None:  # the block's keys t - j for each query t: a product and sum over E, no matmul
-            k_BTWKE, v_BTWKE = band.keys(k_BTKE), band.keys(v_BTKE)
-            scores_blk = jnp.einsum("btkge,btwke->bkgtw", q_BTKGE, k_BTWKE, precision=c.precision) * scale
-            block_mask_BTT = band.mask_BTW & window_mask(c, layer, q_pos_BT1, band.keys(positions_BT))
-        elif T == 1:  # a plain step: the token's one block key, a product and sum over E rather than a matmul
-            scores_blk = (q_BTKGE * k_BTKE[:, :, :, None]).sum(-1).transpose(0, 2, 3, 1)[..., None] * scale
+        if (lengths_B is not None and not isinstance(block_mask_BTT, Band) and c.attn_softcap is None and c.sliding_window is None
+                and few_rows.cache_attention_applies(T, E, q_BTKGE.dtype, context_k_LBKSE.dtype)):  # a decode pass on a CPU
+            out_BTKGE = few_rows.cache_attention(q_BTKGE, context_k_LBKSE, context_v_LBKES, k_BTKE, v_BTKE, block_mask_BTT,
+                                                 lengths_B, layer, scale)
         else:
-            scores_blk = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKTE, preferred_element_type=f32, precision=c.precision) * scale
-            block_mask_BTT = block_mask_BTT & window_mask(c, layer, q_pos_BT1, positions_BT[:, None, :])
-        scores_ctx, scores_blk = softcap(scores_ctx, c.attn_softcap), softcap(scores_blk, c.attn_softcap)
-        context_mask_BTS = context_mask_BTS & window_mask(c, layer, q_pos_BT1, context_positions_BS[:, None, :])
-        scores = jnp.concatenate([jnp.where(context_mask_BTS[:, None, None], scores_ctx, NEG_INF),
-                                  jnp.where(block_mask_BTT[:, None, None], scores_blk, NEG_INF)], axis=-1)
-        probs = jax.nn.softmax(scores, axis=-1)
-        out_BTKGE = few_rows.context_values(probs[..., :S], context_v_LBKES, layer, lengths_B, c.precision)
-        if band is not None:
-            out_BTKGE += jnp.einsum("bkgtw,btwke->btkge", probs[..., S:], v_BTWKE, preferred_element_type=f32, precision=c.precision)
-        elif T == 1:
-            out_BTKGE += probs[..., S:].transpose(0, 3, 1, 2, 4) * v_BTKE[:, :, :, None]
-        else:
-            out_BTKGE += jnp.einsum("bkgts,bkes->btkge", probs[..., S:], v_BKET, preferred_element_type=f32, precision=c.precision)
+            out_BTKGE = xla_attention(c, layer, q_BTKGE, k_BTKE, v_BTKE, positions_BT, context_kv, context_positions_BS,
+                                      context_mask_BTS, block_mask_BTT, scale)
         out_BTD = linear(self, "o", out_BTKGE.reshape(B, T, H, E), layer, (H, E), (D,), draft)
-        return out_BTD, (k_BKTE, v_BKET)
+        # Keys are laid out [B, K, S, E] and values [B, K, E, S], as in the cache: in both of XLA's
+        # attention matmuls the heads are a batch axis and the contracted axis is minor, the layout
+        # XLA's CPU dot wants; any other layout makes it transpose (copy) the whole cache per step.
+        return out_BTD, (k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 3, 1))
 
 
 class MLP(nn.Module):

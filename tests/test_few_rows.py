@@ -228,47 +228,69 @@ def test_a_bad_setting_is_named(monkeypatch, name, value):
         few_rows.threads() if name == few_rows.ENV_THREADS else few_rows.spin_microseconds()
 
 
-# Attention over the cache: (B, K, R query rows, S slots, E), and each row's cached length.
-CACHE_SHAPES = [((1, 3, 3, 256, 64), [200]), ((2, 2, 15, 77, 96), [0, 77]), ((3, 1, 4, 40, 20), [17, 1, 39])]
+# A decode pass's attention: (B, K KV heads, G query heads each, T block tokens, S slots, E), each row's
+# cached length, and the block's mask: "causal", or "tree" (token t sees itself and a random choice
+# of the tokens before it, as a tree's ancestors; token 0 sees only itself).
+ATTENTION_CASES = [((1, 3, 3, 1, 256, 64), [200], "causal"), ((2, 2, 5, 4, 77, 96), [0, 77], "causal"),
+                   ((3, 1, 2, 9, 40, 32), [17, 1, 39], "tree"), ((1, 3, 3, 5, 600, 64), [513], "tree")]
+
+
+def float64_attention(q, keys, values, block_keys, block_values, mask, lengths, scale):
+    """numpy's attention in float64 over each row's live slots and the block keys its mask allows."""
+    B, K, G, T, E = q.shape
+    S = keys.shape[2]
+    live = np.arange(S)[None, :] < np.asarray(lengths)[:, None]
+    q, keys, values = (np.nan_to_num(np.asarray(a, np.float64)) for a in (q, keys, values))
+    block_keys = np.asarray(block_keys, np.float64)
+    scores = np.concatenate([np.einsum("bkgte,bkse->bkgts", q, keys), np.einsum("bkgte,bkje->bkgtj", q, block_keys)], -1)
+    sees = np.concatenate([np.broadcast_to(live[:, None, :], (B, T, S)), mask], -1)[:, None, None]
+    scores = np.where(sees, scores * scale, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bkgts,bkes->bkgte", probs[..., :S], values) + np.einsum("bkgtj,bkje->bkgte", probs[..., S:], block_values)
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape,lengths", CACHE_SHAPES)
-def test_attention_over_the_cache_reads_only_the_slots_below_each_row_s_length(shape, lengths):
-    """Scores and weighted values equal float64 numpy's over each row's first `lengths[b]` slots of
-    layer 1 of a stack of 3; every slot past them, and the other layers, hold NaN, which any read of
-    them would carry into the result."""
-    B, K, R, S, E = shape
+@pytest.mark.parametrize("shape,lengths,mask_kind", ATTENTION_CASES)
+def test_attention_over_the_cache_reads_only_each_rows_live_slots(shape, lengths, mask_kind):
+    """Equals float64 numpy's over each row's first `lengths[b]` slots of layer 1 of a stack of 3 and
+    the block keys its mask allows; every slot past them, and the other layers, hold NaN, which any
+    read of them would carry into the result."""
+    B, K, G, T, S, E = shape
+    rng = np.random.default_rng(0)
     lengths = np.asarray(lengths, np.int32)
-    live = np.arange(S)[None, :] < lengths[:, None]  # [B, S]
-    q, keys, values = random((B, K, R, E), 0), np.array(random((B, K, S, E), 1)), np.array(random((B, K, E, S), 2))
-    probs = np.where(live[:, None, None, :], np.abs(np.asarray(random((B, K, R, S), 3))), 0).astype(np.float32)
+    live = np.arange(S)[None, :] < lengths[:, None]
+    q, block_keys, block_values = random((B, K, G, T, E), 0), random((B, K, T, E), 4), random((B, K, T, E), 5)
+    keys, values = np.array(random((B, K, S, E), 1)), np.array(random((B, K, E, S), 2))
     keys.transpose(0, 2, 1, 3)[~live] = np.nan
     values.transpose(0, 3, 1, 2)[~live] = np.nan
+    mask = np.tril(np.ones((B, T, T), bool)) & (rng.random((B, T, T)) < 0.5 if mask_kind == "tree" else True)
+    mask |= np.eye(T, dtype=bool)
     def stack(layer):  # layer 1 of three
         return jnp.asarray(np.stack([np.full_like(layer, np.nan), layer, np.full_like(layer, np.nan)]))
 
-    scores = np.asarray(jax.jit(few_rows.cache_scores)(q, stack(keys), jnp.asarray(lengths), 1))
-    out = np.asarray(jax.jit(few_rows.cache_values)(jnp.asarray(probs), stack(values), jnp.asarray(lengths), 1))
-    exact_scores = np.einsum("bkre,bkse->bkrs", np.asarray(q, np.float64), np.nan_to_num(keys.astype(np.float64)))
-    exact_out = np.einsum("bkrs,bkes->bkre", probs.astype(np.float64), np.nan_to_num(values.astype(np.float64)))
-    np.testing.assert_allclose(scores, np.where(live[:, None, None, :], exact_scores, 0), rtol=0, atol=2e-6 * np.abs(exact_scores).max())
-    np.testing.assert_allclose(out, exact_out, rtol=0, atol=2e-6 * np.abs(exact_out).max())
+    q_BTKGE = jnp.asarray(q).transpose(0, 3, 1, 2, 4)
+    got = jax.jit(few_rows.cache_attention, static_argnums=8)(
+        q_BTKGE, stack(keys), stack(values), block_keys.transpose(0, 2, 1, 3), block_values.transpose(0, 2, 1, 3),
+        jnp.asarray(mask), jnp.asarray(lengths), 1, E ** -0.5)
+    exact = float64_attention(q, keys, values, block_keys, block_values, mask, lengths, E ** -0.5)
+    np.testing.assert_allclose(np.asarray(got).transpose(0, 2, 3, 1, 4), exact, rtol=0, atol=2e-6 * np.abs(exact).max())
 
 
 @needs_kernel
-def test_a_rows_attention_does_not_depend_on_the_slots_or_rows_beside_it():
-    """One query row alone over its 200 slots, and the same row among 15 others over a longer cache
-    whose extra slots it gives probability 0: bit for bit the same scores and values (what keeps a
-    verify pass's tokens equal to plain steps')."""
-    q, probs = random((1, 1, 16, 64), 0), random((1, 1, 16, 300), 3)
-    keys, values = random((1, 1, 1, 300, 64), 1), random((1, 1, 1, 64, 300), 2)  # stacks of one layer
-    probs = jnp.abs(probs).at[..., 200:].set(0)
-    alone, beside = jnp.asarray([200]), jnp.asarray([260])
-    scores_alone, scores_beside = few_rows.cache_scores(q[:, :, 5:6], keys, alone, 0), few_rows.cache_scores(q, keys, beside, 0)
-    values_alone, values_beside = few_rows.cache_values(probs[:, :, 5:6], values, alone, 0), few_rows.cache_values(probs, values, beside, 0)
-    assert np.array_equal(scores_alone[..., :200], scores_beside[:, :, 5:6, :200])
-    assert np.array_equal(values_alone, values_beside[:, :, 5:6])
+def test_a_rows_attention_does_not_depend_on_the_rows_or_slots_beside_it():
+    """A token alone (a plain step: its 3 query heads, its own key) and the same token as the first of
+    a causal block of 5 (a verify pass) over a longer allocation: bit for bit the same output, which
+    keeps a verify pass's tokens equal to plain steps'."""
+    K, G, E, n = 1, 3, 64, 200
+    q, block_keys, block_values = random((1, 5, K, G, E), 0), random((1, 5, K, E), 4), random((1, 5, K, E), 5)
+    keys, values = random((1, 1, K, 300, E), 1), random((1, 1, K, E, 300), 2)  # stacks of one layer
+    lengths = jnp.asarray([n])
+    alone = few_rows.cache_attention(q[:, :1], keys[:, :, :, :n + 8], values[..., :n + 8], block_keys[:, :1], block_values[:, :1],
+                                     jnp.ones((1, 1, 1), bool), lengths, 0, E ** -0.5)
+    beside = few_rows.cache_attention(q, keys, values, block_keys, block_values, jnp.tril(jnp.ones((1, 5, 5), bool)), lengths, 0,
+                                      E ** -0.5)
+    assert np.array_equal(alone, beside[:, :1])
 
 
 @needs_kernel
