@@ -191,6 +191,9 @@ constexpr int64_t kMaxRows = 12;
 constexpr bool kHalfSweeps = true;
 #endif
 constexpr int64_t kColumnAlign = 16;  // a thread's columns start on a whole vector
+// The fewest columns a part takes: a narrow weight's rows are runs of a few cache lines, and a part
+// of fewer is not worth a thread's hand-off.
+constexpr int64_t kMinPartColumns = 32;
 // The most bytes of one weight row that a part of the columns reads. A part of half the head's 49,280
 // columns (96 KiB per row) prefetched 1.5 MiB ahead of its use, past L2, so lines came from memory
 // twice: in runs of at most 16 KiB, a one-row product of SmolLM2's 576 x 49,280 head took 3.8-4.6 ms
@@ -403,20 +406,29 @@ void Share(int64_t parts, Part&& part) {
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The product over the calling thread and the helpers.
+// The product, or a batch of S products of one shape (readers[s] by x [s] into y [s]), over the
+// calling thread and the helpers.
 template <typename W>
-void Run(const float* x, const W& reader, float* y, int64_t M, int64_t K) {
+void Run(const float* x, const W* readers, float* y, int64_t S, int64_t M, int64_t K) {
   // Each thread's share of the columns, streamed in long contiguous runs of the weight's rows: in one
   // part, or in as many equal parts as keep each run within kPartBytes, so that every thread claims
-  // the same number of parts.
-  const int64_t N = reader.N, threads = Helpers::Get().size() + 1;
-  const int64_t share = CeilDiv(N, threads);
-  const int64_t rounds = std::max<int64_t>(1, CeilDiv(share * int64_t{sizeof(*reader.w)}, kPartBytes));
-  const int64_t part_columns = std::max<int64_t>(256, CeilDiv(CeilDiv(share, rounds), kColumnAlign) * kColumnAlign);
-  Share(CeilDiv(N, part_columns), [&](int64_t p) {
-    const int64_t n0 = p * part_columns, n1 = std::min(N, n0 + part_columns);
-    for (int64_t m = 0; m < M; m += kSweepRows<W>) kColumns<W>[std::min(kSweepRows<W>, M - m)](x + m * K, &reader, y + m * N, K, n0, n1);
+  // the same number of parts. A batch of at least as many products as threads is shared whole products
+  // at a time; a narrow product (a draft adapter's) is still split, so that no thread reads it alone.
+  const int64_t N = readers[0].N, threads = Helpers::Get().size() + 1;
+  const int64_t share = S >= threads ? N : CeilDiv(N, threads);
+  const int64_t rounds = std::max<int64_t>(1, CeilDiv(share * int64_t{sizeof(*readers[0].w)}, kPartBytes));
+  const int64_t part_columns = std::max<int64_t>(kMinPartColumns, CeilDiv(CeilDiv(share, rounds), kColumnAlign) * kColumnAlign);
+  const int64_t parts = CeilDiv(N, part_columns);
+  Share(S * parts, [&](int64_t p) {
+    const int64_t s = p / parts, n0 = p % parts * part_columns, n1 = std::min(N, n0 + part_columns);
+    for (int64_t m = 0; m < M; m += kSweepRows<W>)
+      kColumns<W>[std::min(kSweepRows<W>, M - m)](x + (s * M + m) * K, &readers[s], y + (s * M + m) * N, K, n0, n1);
   });
+}
+
+template <typename W>
+void Run(const float* x, const W& reader, float* y, int64_t M, int64_t K) {
+  Run(x, &reader, y, 1, M, K);
 }
 
 // Which of a stack's L entries an operation reads: the layer that the decode passes' loop over the
@@ -428,8 +440,8 @@ bool Entry(ffi::Buffer<ffi::S32>& at, int64_t L, int64_t* entry) {
   return 0 <= *entry && *entry < L;
 }
 
-// x [M, K] by entry `at` of w [L, K, N], or a batch of them: x [S, M, K] by w [L, S, K, N], one
-// product after another (the fused draft adapters' B factors, a few small weights in one call).
+// x [M, K] by entry `at` of w [L, K, N], or a batch of them: x [S, M, K] by w [L, S, K, N] (the
+// fused draft adapters' B factors, a few small weights in one call).
 ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> at, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   const size_t rank = xd.size();
@@ -442,7 +454,9 @@ ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<f
   const int64_t S = rank == 3 ? xd[0] : 1, M = xd[rank - 2], K = xd[rank - 1], N = wd[rank];
   const int64_t first = entry * S * K * N;
   const auto each = [&](auto reader_at) {
-    for (int64_t s = 0; s < S; ++s) Run(x.typed_data() + s * M * K, reader_at(first + s * K * N), y->typed_data() + s * M * N, M, K);
+    std::vector<decltype(reader_at(0))> readers;
+    for (int64_t s = 0; s < S; ++s) readers.push_back(reader_at(first + s * K * N));
+    Run(x.typed_data(), readers.data(), y->typed_data(), S, M, K);
   };
   const char* base = static_cast<const char*>(w.untyped_data());
   if (w.element_type() == ffi::DataType::F32) {
