@@ -528,7 +528,7 @@ inline float MaxLanes(Lanes v) {
   return m;
 }
 
-// exp(x) for x <= 0 (a score less the row's maximum), within about 2 ulp; x below -87 gives 0.
+// exp(x) for x <= 0 (a score less the row's maximum), within 1.01 ulp of the exact value over [-87, 0]; below -87, 0.
 // exp(x) = 2^n exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by Cephes's polynomial for expf.
 inline Lanes ExpNonPositive(Lanes x) {
   const Lanes floor_x = x < -87.0f ? Lanes{} - 87.0f : x;
@@ -734,24 +734,35 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, f
         "[B, K, T, E] with T dividing R and 16 dividing E, mask [B, T, T], bound [B] and an entry 0 <= at < L");
   }
   const int64_t B = qd[0], K = qd[1], R = qd[2], E = qd[3], S = kd[3], T = bk[2];
-  const int64_t layer = entry * B * K * S * E, width = CeilDiv(S, 16) * 16;
-  thread_local std::vector<float> workspace;
-  workspace.resize(B * K * R * (width + T + 1));
+  const int64_t layer = entry * B * K * S * E;
   std::vector<Head> heads;
+  int64_t scratch = 0;  // each head's scores, block probabilities and sums, sized by its live slots
   EachHead(bound, K, S, [&](int64_t head, int64_t n) {
-    float* scratch = workspace.data() + head * R * (width + T + 1);
+    const int64_t width = CeilDiv(n, 16) * 16;
     heads.push_back(Head{q.typed_data() + head * R * E, keys.typed_data() + layer + head * S * E,
                          values.typed_data() + layer + head * E * S, block_keys.typed_data() + head * T * E,
                          block_values.typed_data() + head * T * E, mask.typed_data() + head / K * T * T, out->typed_data() + head * R * E,
-                         R, T, S, E, n, CeilDiv(n, 16) * 16, scale, scratch, scratch + R * width, scratch + R * (width + T)});
+                         R, T, S, E, n, width, scale, nullptr, nullptr, nullptr});
+    scratch += R * (width + T + 1);
   });
-  const int64_t H = heads.size(), slot_parts = std::max<int64_t>(1, CeilDiv(S, kSlotsPerPart)), dim_parts = CeilDiv(E, kDimsPerPart);
+  thread_local std::vector<float> workspace;
+  workspace.resize(scratch);
+  float* free = workspace.data();
+  for (Head& h : heads) {
+    h.scores = free;
+    h.block = h.scores + R * h.width;
+    h.sums = h.block + R * T;
+    free = h.sums + R;
+  }
+  int64_t most = 0;
+  for (const Head& h : heads) most = std::max(most, h.n);
+  const int64_t H = heads.size(), slot_parts = std::max<int64_t>(1, CeilDiv(most, kSlotsPerPart)), dim_parts = CeilDiv(E, kDimsPerPart);
   Share(H * slot_parts, [&](int64_t p) {
     const Head& h = heads[p / slot_parts];
     const int64_t s0 = p % slot_parts * kSlotsPerPart;
     if (s0 < h.n) h.Score(s0, std::min(h.n, s0 + kSlotsPerPart));
   });
-  const int64_t row_parts = std::min<int64_t>(R, 2);
+  const int64_t row_parts = std::min<int64_t>(R, Helpers::Get().size() + 1);
   Share(H * row_parts, [&](int64_t p) {
     const int64_t share = CeilDiv(R, row_parts), r0 = p % row_parts * share;
     heads[p / row_parts].Normalize(r0, std::min(R, r0 + share));
