@@ -618,15 +618,13 @@ constexpr std::array<ScoreSlotsFn, sizeof...(I) + 1> ScoreSlotsTable(std::index_
   return {nullptr, ScoreSlots<I + 1>...};
 }
 // Dimensions per sweep of the values: few rows share each load of their probabilities among more.
-template <int T>
-constexpr int kValueDims = T <= 4 ? 4 : T <= 8 ? 2 : 1;
+constexpr int64_t ValueDims(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 2 : 1; }
 template <size_t... I>
 constexpr std::array<WeighValuesFn, sizeof...(I) + 1> WeighValuesTable(std::index_sequence<I...>) {
-  return {nullptr, WeighValues<I + 1, kValueDims<I + 1>>...};
+  return {nullptr, WeighValues<I + 1, ValueDims(I + 1)>...};
 }
 constexpr auto kScoreSlots = ScoreSlotsTable(std::make_index_sequence<kScoreRows>());
 constexpr auto kWeighValues = WeighValuesTable(std::make_index_sequence<kAttendRows>());
-constexpr std::array<int, kAttendRows + 1> kValueDimsOf = {0, 4, 4, 4, 4, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1};
 
 // One KV head's share of a pass's attention: rows q [R, E] (row r is the block's token r % T) over
 // the cache's keys [S, E] and values [E, S] at slots s < n, and the block's keys and values [T, E]
@@ -636,9 +634,9 @@ struct Head {
   const float *q, *keys, *values, *block_keys, *block_values;
   const bool* mask;
   float* out;
-  int64_t R, T, S, E, n, width;  // width: n rounded up to whole 16-slot vectors
+  int64_t R, T, S, E, n, width, block_width;  // widths: n and T rounded up to whole 16-slot vectors
   float scale;
-  float *scores, *block, *sums;  // [R, width], [R, T], [R]: probabilities once normalized, unscaled
+  float *scores, *block, *sums;  // [R, width], [R, block_width], [R]: probabilities once normalized, unscaled
 
   void Score(int64_t s0, int64_t s1) const {
     for (int64_t s = s0; s < s1; s += 16)
@@ -650,19 +648,17 @@ struct Head {
   // Each row's probabilities, exp(score - its maximum), and their sum, over its live slots and the
   // block's keys it sees; 0 elsewhere.
   void Normalize(int64_t r0, int64_t r1) const {
+    // The block's keys are scored as the cache's are, each score the same sum over E in order.
+    for (int64_t s = 0; s < T; s += 16)
+      for (int64_t r = r0; r < r1; r += kScoreRows)
+        kScoreSlots[std::min<int64_t>(kScoreRows, r1 - r)](q + r * E, block_keys, block + r * block_width, block_width, E, s,
+                                                           std::min<int64_t>(16, T - s), scale);
     for (int64_t r = r0; r < r1; ++r) {
-      const float* qr = q + r * E;
       const bool* sees = mask + r % T * T;
-      float *row = scores + r * width, *own = block + r * T;
+      float *row = scores + r * width, *own = block + r * block_width;
       float top = -INFINITY;
-      for (int64_t j = 0; j < T; ++j) {
-        own[j] = 0;
-        if (!sees[j]) continue;
-        float dot = 0;
-        for (int64_t e = 0; e < E; ++e) dot += qr[e] * block_keys[j * E + e];
-        own[j] = dot * scale;
-        top = std::max(top, own[j]);
-      }
+      for (int64_t j = 0; j < T; ++j)
+        if (sees[j]) top = std::max(top, own[j]);
       Lanes top_lanes = Lanes{} - INFINITY;
       for (int64_t s = 0; s < width; s += 16) {
         const Lanes x = *reinterpret_cast<const Lanes*>(row + s);
@@ -687,14 +683,15 @@ struct Head {
 
   void Weigh(int64_t e0, int64_t e1) const {
     for (int64_t r0 = 0; r0 < R; r0 += kAttendRows) {
-      const int64_t rows = std::min<int64_t>(kAttendRows, R - r0), dims = kValueDimsOf[rows];
+      const int64_t rows = std::min<int64_t>(kAttendRows, R - r0), dims = ValueDims(rows);
       for (int64_t e = e0; e < e1; e += dims) kWeighValues[rows](scores + r0 * width, width, values, S, n, e, out + r0 * E, E);
     }
     for (int64_t r = 0; r < R; ++r) {
       float* o = out + r * E;
+      const float* own = block + r * block_width;
       for (int64_t j = 0; j < T; ++j)
-        if (block[r * T + j] != 0)
-          for (int64_t e = e0; e < e1; ++e) o[e] += block[r * T + j] * block_values[j * E + e];
+        if (own[j] != 0)
+          for (int64_t e = e0; e < e1; ++e) o[e] += own[j] * block_values[j * E + e];
       const float inverse = sums[r] > 0 ? 1.0f / sums[r] : 0.0f;  // a row that sees nothing gives 0
       for (int64_t e = e0; e < e1; ++e) o[e] *= inverse;
     }
@@ -735,6 +732,7 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, f
   }
   const int64_t B = qd[0], K = qd[1], R = qd[2], E = qd[3], S = kd[3], T = bk[2];
   const int64_t layer = entry * B * K * S * E;
+  const int64_t block_width = CeilDiv(T, 16) * 16;
   std::vector<Head> heads;
   int64_t scratch = 0;  // each head's scores, block probabilities and sums, sized by its live slots
   EachHead(bound, K, S, [&](int64_t head, int64_t n) {
@@ -742,8 +740,8 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, f
     heads.push_back(Head{q.typed_data() + head * R * E, keys.typed_data() + layer + head * S * E,
                          values.typed_data() + layer + head * E * S, block_keys.typed_data() + head * T * E,
                          block_values.typed_data() + head * T * E, mask.typed_data() + head / K * T * T, out->typed_data() + head * R * E,
-                         R, T, S, E, n, width, scale, nullptr, nullptr, nullptr});
-    scratch += R * (width + T + 1);
+                         R, T, S, E, n, width, block_width, scale, nullptr, nullptr, nullptr});
+    scratch += R * (width + block_width + 1);
   });
   thread_local std::vector<float> workspace;
   workspace.resize(scratch);
@@ -751,7 +749,7 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, f
   for (Head& h : heads) {
     h.scores = free;
     h.block = h.scores + R * h.width;
-    h.sums = h.block + R * T;
+    h.sums = h.block + R * block_width;
     free = h.sums + R;
   }
   int64_t most = 0;
