@@ -406,30 +406,42 @@ void Share(int64_t parts, Part&& part) {
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The product, or a batch of S products of one shape (readers[s] by x [s] into y [s]), over the
-// calling thread and the helpers.
+// One product's columns in parts that threads claim: `columns(n0, n1)` computes y's columns [n0, n1)
+// for every row of x.
+struct Product {
+  std::function<void(int64_t, int64_t)> columns;
+  int64_t N, part_columns, parts;
+};
+
+// x [M, K] by one weight's reader into y [M, N], `share` columns per thread, streamed in long
+// contiguous runs of the weight's rows: in one part, or in as many equal parts as keep each run
+// within kPartBytes, so that every thread claims the same number of parts.
 template <typename W>
-void Run(const float* x, const W* readers, float* y, int64_t S, int64_t M, int64_t K) {
-  // Each thread's share of the columns, streamed in long contiguous runs of the weight's rows: in one
-  // part, or in as many equal parts as keep each run within kPartBytes, so that every thread claims
-  // the same number of parts. A batch of at least as many products as threads is shared whole products
-  // at a time; a narrow product (a draft adapter's) is still split, so that no thread reads it alone.
-  const int64_t N = readers[0].N, threads = Helpers::Get().size() + 1;
-  const int64_t share = S >= threads ? N : CeilDiv(N, threads);
-  const int64_t rounds = std::max<int64_t>(1, CeilDiv(share * int64_t{sizeof(*readers[0].w)}, kPartBytes));
+Product Plan(const float* x, W reader, float* y, int64_t M, int64_t K, int64_t share) {
+  const int64_t N = reader.N;
+  const int64_t rounds = std::max<int64_t>(1, CeilDiv(share * int64_t{sizeof(*reader.w)}, kPartBytes));
   const int64_t part_columns = std::max<int64_t>(kMinPartColumns, CeilDiv(CeilDiv(share, rounds), kColumnAlign) * kColumnAlign);
-  const int64_t parts = CeilDiv(N, part_columns);
-  Share(S * parts, [&](int64_t p) {
-    const int64_t s = p / parts, n0 = p % parts * part_columns, n1 = std::min(N, n0 + part_columns);
+  auto columns = [=](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += kSweepRows<W>)
-      kColumns<W>[std::min(kSweepRows<W>, M - m)](x + (s * M + m) * K, &readers[s], y + (s * M + m) * N, K, n0, n1);
+      kColumns<W>[std::min(kSweepRows<W>, M - m)](x + m * K, &reader, y + m * N, K, n0, n1);
+  };
+  return {columns, N, part_columns, CeilDiv(N, part_columns)};
+}
+
+// Every part of the products, over the calling thread and the helpers.
+void Run(const std::vector<Product>& products) {
+  int64_t parts = 0;
+  for (const Product& product : products) parts += product.parts;
+  Share(parts, [&](int64_t part) {
+    size_t i = 0;
+    for (; part >= products[i].parts; ++i) part -= products[i].parts;
+    const Product& product = products[i];
+    const int64_t n0 = part * product.part_columns;
+    product.columns(n0, std::min(product.N, n0 + product.part_columns));
   });
 }
 
-template <typename W>
-void Run(const float* x, const W& reader, float* y, int64_t M, int64_t K) {
-  Run(x, &reader, y, 1, M, K);
-}
+int64_t Threads() { return Helpers::Get().size() + 1; }
 
 // Which of a stack's L entries an operation reads: the layer that the decode passes' loop over the
 // layers is at. Every weight and cache reaches the kernel whole, `[L, ...]`, and the entry is an
@@ -440,39 +452,81 @@ bool Entry(ffi::Buffer<ffi::S32>& at, int64_t L, int64_t* entry) {
   return 0 <= *entry && *entry < L;
 }
 
-// x [M, K] by entry `at` of w [L, K, N], or a batch of them: x [S, M, K] by w [L, S, K, N] (the
-// fused draft adapters' B factors, a few small weights in one call).
-ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> at, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  const size_t rank = xd.size();
-  int64_t entry;
-  if ((rank != 2 && rank != 3) || wd.size() != rank + 1 || xd[rank - 1] != wd[rank - 1] || (rank == 3 && xd[0] != wd[1]) ||
-      !Entry(at, wd[0], &entry)) {
-    return ffi::Error::InvalidArgument(
-        "few_row_matmul: expected x [M, K] and w [L, K, N], or x [S, M, K] and w [L, S, K, N], and an entry 0 <= at < L");
-  }
-  const int64_t S = rank == 3 ? xd[0] : 1, M = xd[rank - 2], K = xd[rank - 1], N = wd[rank];
-  const int64_t first = entry * S * K * N;
-  const auto each = [&](auto reader_at) {
-    std::vector<decltype(reader_at(0))> readers;
-    for (int64_t s = 0; s < S; ++s) readers.push_back(reader_at(first + s * K * N));
-    Run(x.typed_data(), readers.data(), y->typed_data(), S, M, K);
-  };
+// `plan(reader)` with a reader of a float weight's [K, N] from element `offset` of its buffer; false
+// for a weight of another type.
+template <typename PlanFn>
+bool WithFloatReader(const ffi::AnyBuffer& w, int64_t offset, int64_t N, PlanFn&& plan) {
   const char* base = static_cast<const char*>(w.untyped_data());
-  if (w.element_type() == ffi::DataType::F32) {
-    each([&](int64_t offset) { return Float32Weight{reinterpret_cast<const float*>(base) + offset, N}; });
-  } else if (w.element_type() == ffi::DataType::BF16) {
-    each([&](int64_t offset) { return Bfloat16Weight{reinterpret_cast<const uint16_t*>(base) + offset, N}; });
-  } else if (w.element_type() == ffi::DataType::F16) {
-    each([&](int64_t offset) { return Float16Weight{reinterpret_cast<const uint16_t*>(base) + offset, N}; });
-  } else {
-    return ffi::Error::InvalidArgument("few_row_matmul: the weight must be float32, bfloat16 or float16");
+  switch (w.element_type()) {
+    case ffi::DataType::F32:
+      plan(Float32Weight{reinterpret_cast<const float*>(base) + offset, N});
+      return true;
+    case ffi::DataType::BF16:
+      plan(Bfloat16Weight{reinterpret_cast<const uint16_t*>(base) + offset, N});
+      return true;
+    case ffi::DataType::F16:
+      plan(Float16Weight{reinterpret_cast<const uint16_t*>(base) + offset, N});
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The products of the same x by further float weights [L, K, N_i] (`beside`, entry `entry`) into
+// further results [M, N_i], in the same call as the first weight's: a draft adapter's A factor beside
+// its projection, so that the two share one hand-off to the threads instead of one each.
+ffi::Error PlanBeside(const ffi::RemainingArgs& beside, const ffi::RemainingRets& results, const float* x, int64_t M,
+                      int64_t K, int64_t L, int64_t entry, std::vector<Product>& products) {
+  const auto invalid = ffi::Error::InvalidArgument(
+      "few_row_matmul: each further weight must be float32, bfloat16 or float16 [L, K, N_i] with the first's L and K, "
+      "and have a float32 result [M, N_i]");
+  if (beside.size() != results.size()) return invalid;
+  for (size_t i = 0; i < beside.size(); ++i) {
+    const auto w = beside.get<ffi::AnyBuffer>(i);
+    auto y = results.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return invalid;
+    const auto wd = w->dimensions(), yd = (*y)->dimensions();
+    if (wd.size() != 3 || wd[0] != L || wd[1] != K || yd.size() != 2 || yd[0] != M || yd[1] != wd[2]) return invalid;
+    const int64_t N = wd[2];
+    float* out = (*y)->typed_data();
+    if (!WithFloatReader(*w, entry * K * N, N, [&](auto reader) { products.push_back(Plan(x, reader, out, M, K, CeilDiv(N, Threads()))); }))
+      return invalid;
   }
   return ffi::Error::Success();
 }
 
+// x [M, K] by entry `at` of w [L, K, N], and of any further float weights beside it; or a batch:
+// x [S, M, K] by w [L, S, K, N] (the fused draft adapters' B factors, a few small weights in one call).
+ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> at, ffi::RemainingArgs beside,
+                        ffi::ResultBuffer<ffi::F32> y, ffi::RemainingRets beside_results) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  const size_t rank = xd.size();
+  int64_t entry;
+  if ((rank != 2 && rank != 3) || wd.size() != rank + 1 || xd[rank - 1] != wd[rank - 1] || (rank == 3 && xd[0] != wd[1]) ||
+      (rank == 3 && beside.size() != 0) || !Entry(at, wd[0], &entry)) {
+    return ffi::Error::InvalidArgument(
+        "few_row_matmul: expected x [M, K] and w [L, K, N], or x [S, M, K] and w [L, S, K, N] alone, and an entry 0 <= at < L");
+  }
+  const int64_t S = rank == 3 ? xd[0] : 1, M = xd[rank - 2], K = xd[rank - 1], N = wd[rank];
+  // A batch of at least as many products as threads is shared whole products at a time; a narrow
+  // product (a draft adapter's) is still split, so that no thread reads it alone.
+  const int64_t share = S >= Threads() ? N : CeilDiv(N, Threads());
+  std::vector<Product> products;
+  for (int64_t s = 0; s < S; ++s) {
+    const auto plan = [&](auto reader) {
+      products.push_back(Plan(x.typed_data() + s * M * K, reader, y->typed_data() + s * M * N, M, K, share));
+    };
+    if (!WithFloatReader(w, (entry * S + s) * K * N, N, plan))
+      return ffi::Error::InvalidArgument("few_row_matmul: the weight must be float32, bfloat16 or float16");
+  }
+  if (auto error = PlanBeside(beside, beside_results, x.typed_data(), M, K, wd[0], entry, products); error.failure()) return error;
+  Run(products);
+  return ffi::Error::Success();
+}
+
 ffi::Error FewRowMatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                            ffi::Buffer<ffi::S32> at, ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::Buffer<ffi::S32> at, ffi::RemainingArgs beside, ffi::ResultBuffer<ffi::F32> y,
+                            ffi::RemainingRets beside_results) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
   int64_t entry;
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || xd[1] != wd[1] || wd[1] % kGroup || sd[0] != wd[0] ||
@@ -480,14 +534,17 @@ ffi::Error FewRowMatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi
     return ffi::Error::InvalidArgument(
         "few_row_matmul_int8: expected x [M, K], w [L, K, N], scale [L, K/32, N] and an entry 0 <= at < L");
   }
-  const int64_t K = wd[1], N = wd[2];
-  Run(x.typed_data(), Int8Weight{w.typed_data() + entry * K * N, scale.typed_data() + entry * K / kGroup * N, N}, y->typed_data(),
-      xd[0], K);
+  const int64_t M = xd[0], K = wd[1], N = wd[2];
+  std::vector<Product> products{Plan(x.typed_data(), Int8Weight{w.typed_data() + entry * K * N, scale.typed_data() + entry * K / kGroup * N, N},
+                                     y->typed_data(), M, K, CeilDiv(N, Threads()))};
+  if (auto error = PlanBeside(beside, beside_results, x.typed_data(), M, K, wd[0], entry, products); error.failure()) return error;
+  Run(products);
   return ffi::Error::Success();
 }
 
 ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> scale,
-                            ffi::Buffer<ffi::F16> min, ffi::Buffer<ffi::S32> at, ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::Buffer<ffi::F16> min, ffi::Buffer<ffi::S32> at, ffi::RemainingArgs beside,
+                            ffi::ResultBuffer<ffi::F32> y, ffi::RemainingRets beside_results) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), md = min.dimensions();
   int64_t entry;
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || md.size() != 3 || xd[1] % kGroup || xd[1] != 2 * wd[1] ||
@@ -496,11 +553,12 @@ ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi
     return ffi::Error::InvalidArgument(
         "few_row_matmul_int4: expected x [M, K], w [L, K/2, N], scale and min [L, K/32, N] and an entry 0 <= at < L");
   }
-  const int64_t K = xd[1], N = wd[2], groups = entry * K / kGroup * N;
-  Run(x.typed_data(),
-      Int4Weight{w.typed_data() + entry * K / 2 * N, reinterpret_cast<const uint16_t*>(scale.untyped_data()) + groups,
-                 reinterpret_cast<const uint16_t*>(min.untyped_data()) + groups, N},
-      y->typed_data(), xd[0], K);
+  const int64_t M = xd[0], K = xd[1], N = wd[2], groups = entry * K / kGroup * N;
+  const Int4Weight reader{w.typed_data() + entry * K / 2 * N, reinterpret_cast<const uint16_t*>(scale.untyped_data()) + groups,
+                          reinterpret_cast<const uint16_t*>(min.untyped_data()) + groups, N};
+  std::vector<Product> products{Plan(x.typed_data(), reader, y->typed_data(), M, K, CeilDiv(N, Threads()))};
+  if (auto error = PlanBeside(beside, beside_results, x.typed_data(), M, K, wd[0], entry, products); error.failure()) return error;
+  Run(products);
   return ffi::Error::Success();
 }
 
@@ -760,7 +818,7 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, f
     const int64_t s0 = p % slot_parts * kSlotsPerPart;
     if (s0 < h.n) h.Score(s0, std::min(h.n, s0 + kSlotsPerPart));
   });
-  const int64_t row_parts = std::min<int64_t>(R, Helpers::Get().size() + 1);
+  const int64_t row_parts = std::min<int64_t>(R, Threads());
   Share(H * row_parts, [&](int64_t p) {
     const int64_t share = CeilDiv(R, row_parts), r0 = p % row_parts * share;
     heads[p / row_parts].Normalize(r0, std::min(R, r0 + share));
@@ -773,42 +831,71 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, f
 }
 
 // logits [B, T, L] = hidden [B, T, D] . head [D, V] at each row's columns ids [B, L], for the first
-// count[b] ids of row b; 0 beyond. The draft head's scores of a row's own context: only its live ids'
-// columns are read, where XLA gathered every slot's column first. Lanes hold 16 ids, one row d of the
-// table at a time, so each logit is summed over d in order whatever the ids or rows beside it.
+// count[b] ids of row b that lie in [0, V); 0 elsewhere. The draft head's scores of a row's own
+// context: only its live ids' columns are read, each distinct id's once, where XLA gathered every
+// slot's column first; the caller passes the ids the reduced head does not score and -1 (or V) for
+// the rest. Lanes hold 16 ids, one row d of the table at a time, so each logit is summed over d in
+// order whatever the ids or rows beside it.
 ffi::Error ContextLogits(ffi::Buffer<ffi::F32> hidden, ffi::Buffer<ffi::F32> head, ffi::Buffer<ffi::S32> ids,
                          ffi::Buffer<ffi::S32> count, ffi::ResultBuffer<ffi::F32> logits) {
   const auto hd = hidden.dimensions(), wd = head.dimensions(), id = ids.dimensions(), cd = count.dimensions();
   if (hd.size() != 3 || wd.size() != 2 || id.size() != 2 || cd.size() != 1 || hd[2] != wd[0] || id[0] != hd[0] || cd[0] != hd[0]) {
     return ffi::Error::InvalidArgument("context_logits: expected hidden [B, T, D], head [D, V], ids [B, L] and count [B]");
   }
-  const int64_t T = hd[1], D = hd[2], V = wd[1], L = id[1];
+  const int64_t B = hd[0], T = hd[1], D = hd[2], V = wd[1], L = id[1];
   constexpr int kRows = 8;
-  thread_local std::vector<float> zeros;
-  zeros.assign(D, 0.0f);
+  constexpr int64_t kAhead = 8;  // table rows prefetched ahead: each of a group's 16 columns is a line of its own
+  thread_local std::vector<int64_t> first;  // [V]: the position that scores an id, or -1
+  if (int64_t(first.size()) != V) first.assign(V, -1);
+  // Each row's ids inside the table are scored once, at their first position, and copied to repeats.
+  std::vector<std::vector<int64_t>> scored(B), repeats(B);
+  std::vector<std::pair<int64_t, int64_t>> groups;  // (row, first of up to 16 scored positions)
   EachHead(count, 1, L, [&](int64_t b, int64_t n) {  // one "head" per row: its count clamped to [0, L]
     const int32_t* row_ids = ids.typed_data() + b * L;
-    float* out = logits->typed_data() + b * T * L;
-    std::memset(out, 0, sizeof(float) * T * L);
-    for (int64_t l0 = 0; l0 < n; l0 += 16) {
-      const int64_t m = std::min<int64_t>(16, n - l0);
-      int64_t columns[16] = {};
-      for (int64_t j = 0; j < m; ++j) columns[j] = std::clamp<int64_t>(row_ids[l0 + j], 0, V - 1);
-      for (int64_t t0 = 0; t0 < T; t0 += kRows) {
-        const float* h[kRows];
-        for (int i = 0; i < kRows; ++i) h[i] = t0 + i < T ? hidden.typed_data() + (b * T + t0 + i) * D : zeros.data();
-        Lanes acc[kRows] = {};
-        for (int64_t d = 0; d < D; ++d) {
-          const float* table_row = head.typed_data() + d * V;
-          Lanes w;
-          for (int j = 0; j < 16; ++j) w[j] = table_row[columns[j]];
-          for (int i = 0; i < kRows; ++i) acc[i] += h[i][d] * w;
-        }
-        for (int64_t i = 0; i < std::min<int64_t>(kRows, T - t0); ++i)
-          for (int64_t j = 0; j < m; ++j) out[(t0 + i) * L + l0 + j] = acc[i][j];
+    std::memset(logits->typed_data() + b * T * L, 0, sizeof(float) * T * L);
+    for (int64_t l = 0; l < n; ++l) {
+      const int32_t token = row_ids[l];
+      if (token < 0 || token >= V) continue;
+      if (first[token] < 0) {
+        first[token] = l;
+        scored[b].push_back(l);
+      } else {
+        repeats[b].push_back(first[token] * L + l);
       }
     }
+    for (const int64_t l : scored[b]) first[row_ids[l]] = -1;
+    for (size_t j0 = 0; j0 < scored[b].size(); j0 += 16) groups.emplace_back(b, j0);
   });
+  const std::vector<float> zeros(D, 0.0f);
+  Share(groups.size(), [&](int64_t g) {
+    const auto [b, j0] = groups[g];
+    const int32_t* row_ids = ids.typed_data() + b * L;
+    float* out = logits->typed_data() + b * T * L;
+    const int64_t m = std::min<int64_t>(16, int64_t(scored[b].size()) - j0);
+    int64_t columns[16] = {};
+    for (int64_t j = 0; j < m; ++j) columns[j] = row_ids[scored[b][j0 + j]];
+    for (int64_t j = m; j < 16; ++j) columns[j] = columns[0];
+    for (int64_t t0 = 0; t0 < T; t0 += kRows) {
+      const float* h[kRows];
+      for (int i = 0; i < kRows; ++i) h[i] = t0 + i < T ? hidden.typed_data() + (b * T + t0 + i) * D : zeros.data();
+      Lanes acc[kRows] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float* table_row = head.typed_data() + d * V;
+        if (d + kAhead < D)
+          for (int j = 0; j < m; ++j) __builtin_prefetch(table_row + kAhead * V + columns[j]);
+        Lanes w;
+        for (int j = 0; j < 16; ++j) w[j] = table_row[columns[j]];
+        for (int i = 0; i < kRows; ++i) acc[i] += h[i][d] * w;
+      }
+      for (int64_t i = 0; i < std::min<int64_t>(kRows, T - t0); ++i)
+        for (int64_t j = 0; j < m; ++j) out[(t0 + i) * L + scored[b][j0 + j]] = acc[i][j];
+    }
+  });
+  for (int64_t b = 0; b < B; ++b) {
+    float* out = logits->typed_data() + b * T * L;
+    for (const int64_t pair : repeats[b])
+      for (int64_t t = 0; t < T; ++t) out[t * L + pair % L] = out[t * L + pair / L];
+  }
   return ffi::Error::Success();
 }
 
@@ -826,7 +913,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmul, FewRowMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt8, FewRowMatmulInt8,
                               ffi::Ffi::Bind()
@@ -834,7 +923,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt8, FewRowMatmulInt8,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt4, FewRowMatmulInt4,
                               ffi::Ffi::Bind()
@@ -843,7 +934,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt4, FewRowMatmulInt4,
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dCacheAttention, CacheAttention,
                               ffi::Ffi::Bind()

@@ -241,35 +241,46 @@ def _at(at):
     return jnp.asarray(at, jnp.int32)
 
 
+def _results(x_MK, weights_LKN):
+    return [jax.ShapeDtypeStruct((*x_MK.shape[:-1], w.shape[-1]), jnp.float32) for w in weights_LKN]
+
+
+def _beside_jvp(x, dx, beside, dbeside, at):
+    return tuple(dx @ entry(b, at) + x @ entry(db, at) for b, db in zip(beside, dbeside))
+
+
 @jax.custom_jvp
-def _kernel(x_MK, w_LKN, at):
-    """`x @ w[at]`, or with a batch axis (`x [S, M, K]`, `w [L, S, K, N]`) each `x[s] @ w[at, s]`."""
-    out = jax.ShapeDtypeStruct((*x_MK.shape[:-1], w_LKN.shape[-1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x_MK, w_LKN, _at(at))
+def _kernel(x_MK, w_LKN, at, beside=()):
+    """`x @ w[at]` and `x @ b[at]` for each float stack b of `beside`, in one call; or with a batch axis
+    (`x [S, M, K]`, `w [L, S, K, N]`, nothing beside) each `x[s] @ w[at, s]`."""
+    call = jax.ffi.ffi_call(TARGET, _results(x_MK, (w_LKN, *beside)), vmap_method="sequential")
+    return tuple(call(x_MK, w_LKN, _at(at), *beside))
 
 
 @_kernel.defjvp
 def _kernel_jvp(primals, tangents):
-    (x, w, at), (dx, dw, _) = primals, tangents
-    return _kernel(x, w, at), dx @ entry(w, at) + x @ entry(dw, at)
+    (x, w, at, beside), (dx, dw, _, dbeside) = primals, tangents
+    return _kernel(x, w, at, beside), (dx @ entry(w, at) + x @ entry(dw, at), *_beside_jvp(x, dx, beside, dbeside, at))
 
 
 @jax.custom_jvp
-def _quantized_kernel(x_MK, w, at):
-    """The kernel's product with entry `at` of a stack of quantized weights `[L, K, N]` (`quant`)."""
+def _quantized_kernel(x_MK, w, at, beside=()):
+    """The kernel's product with entry `at` of a stack of quantized weights `[L, K, N]` (`quant`), and
+    `x @ b[at]` for each float stack b of `beside`, in one call."""
     target = TARGET_INT4 if quant.bits_of(w) == 4 else TARGET_INT8
-    out = jax.ShapeDtypeStruct((x_MK.shape[0], w["values"].shape[-1]), jnp.float32)
+    call = jax.ffi.ffi_call(target, _results(x_MK, (w["values"], *beside)), vmap_method="sequential")
     parts = (w[k] for k in ("values", "scale", "min") if k in w)
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x_MK, *parts, _at(at))
+    return tuple(call(x_MK, *parts, _at(at), *beside))
 
 
 @_quantized_kernel.defjvp
 def _quantized_kernel_jvp(primals, tangents):
-    (x, stack, at), (dx, dstack, _) = primals, tangents
+    (x, stack, at, beside), (dx, dstack, _, dbeside) = primals, tangents
     w, dw = entry(stack, at), entry(dstack, at)
     # The weight is linear in its scales (and minimums) for fixed values, which have no tangent.
     dw_value = quant.dequantize({**{k: dw[k] for k in w if k != "values"}, "values": w["values"]}, 1)
-    return _quantized_kernel(x, stack, at), dx @ quant.dequantize(w, 1) + x @ dw_value
+    dy = dx @ quant.dequantize(w, 1) + x @ dw_value
+    return _quantized_kernel(x, stack, at, beside), (dy, *_beside_jvp(x, dx, beside, dbeside, at))
 
 
 def result_dtype(x, w, preferred_element_type=None):
@@ -297,33 +308,53 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None, at=
     With a 16-bit weight and float32 x (the model's activations), the kernel widens the weight in
     registers and multiplies x as it is; XLA's dot multiplies x rounded to the weight's type, its
     fast form (`tensordot`). Either way the result is float32."""
+    return matmuls(x, (w,), n_in, precision, preferred_element_type, at)[0]
+
+
+def matmuls(x, weights, n_in: int = 1, precision=None, preferred_element_type=None, at=None):
+    """`matmul(x, w, ...)` for each w of `weights`, in one kernel call where the kernel applies to them
+    all: a draft adapter's A factor beside its projection, whose threads then take both products'
+    parts from one hand-off (docs/cpu.md, "The loop's own operations"). Weights after the first are
+    float; each result is what `matmul` would give alone, bit for bit."""
+    w, beside = weights[0], weights[1:]
     quantized = quant.is_quantized(w)
-    stack = w if at is not None else jax.tree.map(lambda part: part[None], w)
-    values = stack["values"] if quantized else stack
-    out_dtype = result_dtype(x.dtype, x.dtype if quantized else values.dtype, preferred_element_type)
-    out_shape = values.shape[1 + n_in:]
+    stacks = tuple(v if at is not None else jax.tree.map(lambda part: part[None], v) for v in weights)
+    values = [stacks[0]["values"] if quantized else stacks[0], *stacks[1:]]
     lead = x.shape[: x.ndim - n_in]
-    if not applies(math.prod(lead), x.dtype, values.dtype):
-        w = w if at is None else entry(w, at)
-        if quantized:
-            # Made to depend on x (adding zero, exactly), so that XLA dequantizes each weight when its
-            # product is due: with no such dependency it dequantized every weight up front, a float32
-            # copy of the model in a prefill's temporaries. An optimization barrier does not survive
-            # to XLA's CPU scheduler.
-            zero = (0 * x.reshape(-1)[0]).astype(w["scale"].dtype)
-            w = quant.dense({**w, "scale": w["scale"] + zero}, n_in)
-            w = w.astype(x.dtype) if jnp.dtype(x.dtype).itemsize < 4 else w  # as a float base in a 16-bit pass
-        elif jnp.dtype(w.dtype).itemsize < jnp.dtype(x.dtype).itemsize:
-            x = x.astype(w.dtype)
-        return tensordot(x, w, n_in, precision, out_dtype)
-    K, N = math.prod(x.shape[x.ndim - n_in:]), math.prod(out_shape)
-    x_MK = x.reshape(math.prod(lead), K).astype(jnp.float32)  # exact from 16 bits
+    rows = math.prod(lead)
+    if not all(applies(rows, x.dtype, v.dtype) and (i == 0 or v.dtype in INPUT_DTYPES) for i, v in enumerate(values)):
+        return tuple(_xla_matmul(x, v, n_in, precision, preferred_element_type, at) for v in weights)
+    K = math.prod(x.shape[x.ndim - n_in:])
+    x_MK = x.reshape(rows, K).astype(jnp.float32)  # exact from 16 bits
     at = 0 if at is None else at
+    beside_LKN = tuple(b.reshape(b.shape[0], K, -1) for b in stacks[1:])
     if quantized:
-        y = _quantized_kernel(x_MK, {k: v.reshape(v.shape[0], -1, N) for k, v in stack.items()}, at)
+        N = math.prod(values[0].shape[1 + n_in:])
+        ys = _quantized_kernel(x_MK, {k: v.reshape(v.shape[0], -1, N) for k, v in stacks[0].items()}, at, beside_LKN)
     else:
-        y = _kernel(x_MK, stack.reshape(-1, K, N), at)
-    return y.reshape(*lead, *out_shape).astype(out_dtype)
+        ys = _kernel(x_MK, stacks[0].reshape(stacks[0].shape[0], K, -1), at, beside_LKN)
+    dtypes = [x.dtype if quantized else values[0].dtype, *(b.dtype for b in beside)]
+    return tuple(y.reshape(*lead, *v.shape[1 + n_in:]).astype(result_dtype(x.dtype, d, preferred_element_type))
+                 for y, v, d in zip(ys, values, dtypes))
+
+
+def _xla_matmul(x, w, n_in, precision, preferred_element_type, at):
+    """`matmul` by XLA's dot: where the kernel does not apply."""
+    w = w if at is None else entry(w, at)
+    if quant.is_quantized(w):
+        # Made to depend on x (adding zero, exactly), so that XLA dequantizes each weight when its
+        # product is due: with no such dependency it dequantized every weight up front, a float32
+        # copy of the model in a prefill's temporaries. An optimization barrier does not survive
+        # to XLA's CPU scheduler.
+        out_dtype = result_dtype(x.dtype, x.dtype, preferred_element_type)
+        zero = (0 * x.reshape(-1)[0]).astype(w["scale"].dtype)
+        w = quant.dense({**w, "scale": w["scale"] + zero}, n_in)
+        w = w.astype(x.dtype) if jnp.dtype(x.dtype).itemsize < 4 else w  # as a float base in a 16-bit pass
+        return tensordot(x, w, n_in, precision, out_dtype)
+    out_dtype = result_dtype(x.dtype, w.dtype, preferred_element_type)
+    if jnp.dtype(w.dtype).itemsize < jnp.dtype(x.dtype).itemsize:
+        x = x.astype(w.dtype)
+    return tensordot(x, w, n_in, precision, out_dtype)
 
 
 def batched_matmul(x_SMK, w_LSKN, at, precision=None):
@@ -331,7 +362,7 @@ def batched_matmul(x_SMK, w_LSKN, at, precision=None):
     batched dot. For the fused draft adapters' B factors (`adapters.DraftLoRA`), whose batched dot of
     a few rows cost XLA more than the projection's own product (docs/cpu.md, "The loop's own operations")."""
     if applies(x_SMK.shape[1], x_SMK.dtype, w_LSKN.dtype):
-        return _kernel(x_SMK.astype(jnp.float32), w_LSKN, at)
+        return _kernel(x_SMK.astype(jnp.float32), w_LSKN, at)[0]
     w_SKN = entry(w_LSKN, at)
     return jax.lax.dot_general(x_SMK.astype(w_SKN.dtype), w_SKN, (((2,), (1,)), ((0,), (0,))), precision=precision,
                                preferred_element_type=jnp.float32)
@@ -347,14 +378,17 @@ def float32_handlers_apply(*dtypes) -> bool:
 
 def column_logits(hidden_BTD, table_DV, ids_BL, counts_B, precision=None):
     """`[B, T, L]`: each row's hidden states against the columns of a vocabulary table `[D, V]` at its
-    own ids, for the first `counts[b]` ids of row b; the others may hold anything, and the caller
-    drops them. The kernel, where it applies (a float32 table), reads only those ids' columns and
-    sets the others to 0; XLA gathers every id's column first, a cost that grows with L (the draft
-    head's context is the whole token buffer, `docs/cpu.md`, "The loop's own operations")."""
+    own ids, for the first `counts[b]` ids of row b that lie inside the table; the others may hold
+    anything, and the caller drops them. The kernel, where it applies (a float32 table), reads only
+    those ids' columns, each distinct id's once, and sets the others to 0; XLA gathers every id's
+    column first, a cost that grows with L (the draft head's context is the whole token buffer,
+    `docs/cpu.md`, "The loop's own operations")."""
     if float32_handlers_apply(hidden_BTD.dtype, getattr(table_DV, "dtype", None)):
         out = jax.ShapeDtypeStruct((*hidden_BTD.shape[:2], ids_BL.shape[1]), jnp.float32)
         return jax.ffi.ffi_call(TARGET_CONTEXT_LOGITS, out, vmap_method="sequential")(
             hidden_BTD, table_DV, ids_BL.astype(jnp.int32), counts_B.astype(jnp.int32))
+    vocab = (table_DV["values"] if quant.is_quantized(table_DV) else table_DV).shape[1]
+    ids_BL = jnp.clip(ids_BL, 0, vocab - 1)  # ids outside the table: scored as its last, and dropped by the caller
     return jnp.einsum("btd,dbl->btl", hidden_BTD, quant.columns(table_DV, ids_BL), preferred_element_type=jnp.float32,
                       precision=precision)
 

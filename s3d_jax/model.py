@@ -105,16 +105,16 @@ def linear(module: nn.Module, name: str, x, layer, in_shape, out_shape, draft: b
     c = module.config
     L = c.num_layers
     w = weight(module, name, (L, *in_shape), out_shape)
-    n_in = len(in_shape)
-    y = few_rows.matmul(x, w, n_in, c.precision, at=layer)
-    if bias:
-        y = y + few_rows.entry(module.param(f"{name}_bias", nn.initializers.zeros, (L, *out_shape), c.jnp_dtype), layer)
-    if c.draft_lora_rank:
+    update = None
+    if c.draft_lora_rank and (draft or module.is_initializing()):
         lora = DraftLoRA(c.draft_lora_rank, L, tuple(in_shape), tuple(out_shape), c.jnp_dtype, c.precision, init_normal, slot_parts,
                          slot_axis, name=f"{name}_lora")
-        if draft or module.is_initializing():
-            y = y + lora(x, layer)
-    return y
+        y, update = lora(x, layer, w)
+    else:
+        y = few_rows.matmul(x, w, len(in_shape), c.precision, at=layer)
+    if bias:
+        y = y + few_rows.entry(module.param(f"{name}_bias", nn.initializers.zeros, (L, *out_shape), c.jnp_dtype), layer)
+    return y if update is None else y + update
 
 
 class RMSNorm(nn.Module):
@@ -412,8 +412,10 @@ def draft_head_logits(params, config: ModelConfig, hidden_BTD, context_BL=None, 
     full = full.at[..., params["draft_vocab"]].set(reduced)
     if context_BL is not None:
         counts = jnp.full(context_BL.shape[:1], context_BL.shape[1]) if context_lengths_B is None else context_lengths_B
-        seen = softcap(context_logits(params, config, hidden_BTD, context_BL, counts), config.final_softcap)
-        ids = jnp.where(jnp.arange(context_BL.shape[1]) < counts[:, None], context_BL, config.vocab_size)  # past a row's context: dropped
+        unscored = jnp.ones(config.vocab_size, bool).at[params["draft_vocab"]].set(False)
+        # Past a row's context, and the ids the reduced head already scored: dropped, and not scored again.
+        ids = jnp.where((jnp.arange(context_BL.shape[1]) < counts[:, None]) & unscored[context_BL], context_BL, config.vocab_size)
+        seen = softcap(context_logits(params, config, hidden_BTD, ids, counts), config.final_softcap)
         full = jax.vmap(lambda row, ids, scores: row.at[:, ids].set(scores, mode="drop"))(full, ids, seen)
     return never_produced(full, config)
 

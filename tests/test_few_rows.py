@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s3d_jax import few_rows
+from s3d_jax import few_rows, quant
 
 needs_kernel = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None or os.environ.get(few_rows.ENV_SWITCH, "1").lower() in ("0", "false", "no", "off"),
@@ -95,6 +95,23 @@ def test_a_bfloat16_weight_stays_in_the_kernel_past_sixteen_rows():
     together = np.asarray(jax.jit(few_rows.matmul)(x, w), np.float32)
     alone = np.asarray(jax.jit(few_rows.matmul)(x[-1:], w), np.float32)
     assert np.array_equal(together[-1], alone[0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("base", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_products_beside_the_first_in_one_call_equal_each_alone(base, rows):
+    """`matmuls` (a projection and its draft adapter's A factor): one kernel call whose results are
+    bit for bit each weight's `matmul` alone, at a layer of a stack, whatever the first weight's format."""
+    L, K, N, R = 3, 64, 96, 40
+    w = random((L, K, N), 11)
+    w = quant.quantize(w, 2, int(base[3:])) if base.startswith("int") else w.astype(base)
+    a, a16 = random((L, K, R), 12), random((L, K, 8), 13).astype(jnp.bfloat16)
+    x, at = random((rows, K), 14), jnp.int32(2)
+    together = jax.jit(lambda x, at: few_rows.matmuls(x, (w, a, a16), at=at))
+    assert together.lower(x, at).as_text().count("custom_call") == 1
+    for got, weight in zip(together(x, at), (w, a, a16)):
+        assert np.array_equal(got, few_rows.matmul(x, weight, at=at))
 
 
 def test_trailing_input_axes_and_leading_batch_axes():
@@ -297,10 +314,13 @@ def test_a_rows_attention_does_not_depend_on_the_rows_or_slots_beside_it():
 @pytest.mark.parametrize("T,counts", [(4, [0, 1, 37, 300]), (9, [16, 17, 300, 299]), (1, [300, 5, 0, 120])])
 def test_column_logits_read_each_rows_first_count_ids_and_equal_the_gathered_product(T, counts):
     """The draft head's scores of a row's own context ids: float64 numpy's over the first `counts[b]`
-    ids of row b, 0 past them; the table's other columns hold NaN, which a read would carry."""
+    ids of row b that lie in the table, repeats included, 0 elsewhere; the table's other columns hold
+    NaN, which a read would carry."""
     B, D, V, L = 4, 96, 1000, 300
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, V // 2, (B, L)).astype(np.int32)
+    ids = rng.integers(0, V // 2, (B, L)).astype(np.int32)  # many repeats, which the kernel scores once
+    outside = rng.random((B, L)) < 0.2
+    ids[outside] = rng.choice([-1, V, V + 7], outside.sum())  # ids the caller drops: not read
     table = np.array(random((D, V), 1))
     table[:, V // 2 :] = np.nan  # no live id lies there; dead slots point there
     counts = np.asarray(counts, np.int32)
@@ -308,8 +328,9 @@ def test_column_logits_read_each_rows_first_count_ids_and_equal_the_gathered_pro
     ids = np.where(live, ids, V - 1)
     hidden = random((B, T, D), 2)
     got = np.asarray(jax.jit(few_rows.column_logits)(hidden, jnp.asarray(table), jnp.asarray(ids), jnp.asarray(counts)))
-    exact = np.einsum("btd,dbl->btl", np.asarray(hidden, np.float64), np.nan_to_num(table.astype(np.float64))[:, ids])
-    np.testing.assert_allclose(got, np.where(live[:, None, :], exact, 0), rtol=0, atol=2e-6 * np.abs(exact).max())
+    exact = np.einsum("btd,dbl->btl", np.asarray(hidden, np.float64), np.nan_to_num(table.astype(np.float64))[:, np.clip(ids, 0, V - 1)])
+    scored = live & ~outside
+    np.testing.assert_allclose(got, np.where(scored[:, None, :], exact, 0), rtol=0, atol=2e-6 * np.abs(exact).max())
     # A row's logits are bit for bit the same alone and beside other rows with other counts.
     alone = few_rows.column_logits(hidden[2:3, :1], jnp.asarray(table), jnp.asarray(ids[2:3]), jnp.asarray(counts[2:3]))
     assert np.array_equal(np.asarray(alone)[0, 0], got[2, 0])
