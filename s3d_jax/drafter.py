@@ -65,7 +65,7 @@ class Drafter:
 def base_identity(params, config: ModelConfig) -> dict:
     columns = np.arange(min(CHECKSUM_COLUMNS, config.vocab_size))
     columns = columns[columns != config.mask_token_id]  # the mask row is the drafter's own
-    table = np.asarray(jax.device_get(quant.columns(params["embed"], jnp.asarray(columns))), np.float32)  # the same at any precision
+    table = np.asarray(jax.jit(quant.columns)(params["embed"], jnp.asarray(columns)), np.float32)  # the same at any precision
     return {**{name: getattr(config, name) for name in BASE_FIELDS}, "checksum": float(np.abs(table).sum(dtype=np.float64))}
 
 
@@ -101,7 +101,7 @@ def with_draft_vocab(params, config: ModelConfig, ranking: np.ndarray | None, si
         raise DrafterError("the token ranking holds ids the model never produces (the mask, padding, outside the vocabulary) "
                            "or repeats one: it was made for another model")
     head = params["embed"] if config.tie_embeddings else params["lm_head"]
-    params = {**params, "draft_vocab": jnp.asarray(ids), "draft_head": quant.select_columns(head, jnp.asarray(ids))}
+    params = {**params, "draft_vocab": jnp.asarray(ids), "draft_head": jax.jit(quant.select_columns)(head, jnp.asarray(ids))}
     return params, config.replace(draft_vocab_size=size)
 
 
@@ -227,7 +227,8 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
     config = config.replace(draft_skip=skip, draft_gamma=drafter.gamma, draft_lora_rank=drafter.lora_rank, draft_tree=drafter.tree)
     if drafter.mask_row.shape != (config.hidden_size,):
         raise DrafterError(f"the drafter {where} has a mask row of shape {drafter.mask_row.shape}, the model needs ({config.hidden_size},)")
-    params = {**model.params, "embed": quant.set_column(model.params["embed"], config.mask_token_id, drafter.mask_row)}
+    embed = jax.jit(quant.set_column, static_argnums=1)(model.params["embed"], config.mask_token_id, drafter.mask_row)
+    params = {**model.params, "embed": embed}
     flat = traverse_util.flatten_dict(params)  # a draft head applied before is replaced by `with_draft_vocab`
     flat = {k: v for k, v in flat.items() if not any("_lora" in p for p in k)}  # and adapters applied before, here
     adapters = {}  # every layer's stacks of adapters, zero outside the draft layers, filled on the host
@@ -241,7 +242,7 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
             raise DrafterError(f"the drafter {where} has an adapter {'/'.join(k)} of shape {v.shape} that the model does not "
                                f"(expected {None if stack is None else stack.shape[1:]})")
         stack[layer] = v
-    flat.update({k: jnp.asarray(v) for k, v in adapters.items()})
+    flat.update({k: jax.device_put(adapters.pop(k)) for k in list(adapters)})  # one host stack at a time, copied once
     size = drafter.draft_vocab_size if draft_vocab_size is None else check_int("draft_vocab_size", draft_vocab_size, 0)
     params, config = with_draft_vocab(traverse_util.unflatten_dict(flat), config, drafter.ranking, size)
     check_params(params, config)

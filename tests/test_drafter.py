@@ -293,7 +293,8 @@ def test_a_format_1_file_s_separate_adapters_load_fused_with_the_same_products(t
     def fused(name, out_shape, slot_parts, slot_axis):
         module = DraftLoRA(r, 1, (D,), out_shape, jnp.float32, "highest", init_normal, slot_parts, slot_axis)  # a stack of one
         params = {f: lora[("layer_0", "attn" if name == "qkv" else "mlp", f"{name}_lora", f)][None] for f in "ab"}
-        return np.asarray(module.apply({"params": params}, x, 0))
+        projection = jnp.zeros((1, D, *out_shape), jnp.float32)  # the update alone is compared
+        return np.asarray(module.apply({"params": params}, x, 0, projection)[1])
 
     qkv = fused("qkv", (K, G + 2, E), (0,) * G + (1, 2), 1)  # each KV head's query heads, then its key and value
     np.testing.assert_allclose(qkv[:, :, :G].reshape(2, H, E), part["q"], rtol=1e-5, atol=1e-5)
