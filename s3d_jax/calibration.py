@@ -111,8 +111,8 @@ def draft_pass(model, skip, gamma: int):
     config = model.config
     outside = np.arange(config.vocab_size)
     if config.draft_vocab_size:
-        scored = np.asarray(model.params["draft_vocab"])
-        inside, outside = scored, np.setdiff1d(outside, scored)
+        inside = np.asarray(model.params["draft_vocab"])
+        outside = np.setdiff1d(outside, inside)
 
     def run(p, c, x_n):
         j = x_n[:, None] + jnp.arange(c.max_len)

@@ -472,11 +472,11 @@ bool WithFloatReader(const ffi::AnyBuffer& w, int64_t offset, int64_t N, PlanFn&
   }
 }
 
-// The products of the same x by further float weights [L, K, N_i] (`beside`, entry `entry`) into
-// further results [M, N_i], in the same call as the first weight's: a draft adapter's A factor beside
-// its projection, so that the two share one hand-off to the threads instead of one each.
-ffi::Error PlanBeside(const ffi::RemainingArgs& beside, const ffi::RemainingRets& results, const float* x, int64_t M,
-                      int64_t K, int64_t L, int64_t entry, std::vector<Product>& products) {
+// Runs `products` (the first weight's) with those of the same x by further float weights [L, K, N_i]
+// (`beside`, entry `entry`) into further results [M, N_i], in one job: a draft adapter's A factor
+// beside its projection, so that the two share one hand-off to the threads instead of one each.
+ffi::Error RunWithBeside(std::vector<Product> products, const ffi::RemainingArgs& beside, const ffi::RemainingRets& results,
+                         const float* x, int64_t M, int64_t K, int64_t L, int64_t entry) {
   const auto invalid = ffi::Error::InvalidArgument(
       "few_row_matmul: each further weight must be float32, bfloat16 or float16 [L, K, N_i] with the first's L and K, "
       "and have a float32 result [M, N_i]");
@@ -492,6 +492,7 @@ ffi::Error PlanBeside(const ffi::RemainingArgs& beside, const ffi::RemainingRets
     if (!WithFloatReader(*w, entry * K * N, N, [&](auto reader) { products.push_back(Plan(x, reader, out, M, K, CeilDiv(N, Threads()))); }))
       return invalid;
   }
+  Run(products);
   return ffi::Error::Success();
 }
 
@@ -519,9 +520,7 @@ ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<f
     if (!WithFloatReader(w, (entry * S + s) * K * N, N, plan))
       return ffi::Error::InvalidArgument("few_row_matmul: the weight must be float32, bfloat16 or float16");
   }
-  if (auto error = PlanBeside(beside, beside_results, x.typed_data(), M, K, wd[0], entry, products); error.failure()) return error;
-  Run(products);
-  return ffi::Error::Success();
+  return RunWithBeside(std::move(products), beside, beside_results, x.typed_data(), M, K, wd[0], entry);
 }
 
 ffi::Error FewRowMatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
@@ -537,9 +536,7 @@ ffi::Error FewRowMatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi
   const int64_t M = xd[0], K = wd[1], N = wd[2];
   std::vector<Product> products{Plan(x.typed_data(), Int8Weight{w.typed_data() + entry * K * N, scale.typed_data() + entry * K / kGroup * N, N},
                                      y->typed_data(), M, K, CeilDiv(N, Threads()))};
-  if (auto error = PlanBeside(beside, beside_results, x.typed_data(), M, K, wd[0], entry, products); error.failure()) return error;
-  Run(products);
-  return ffi::Error::Success();
+  return RunWithBeside(std::move(products), beside, beside_results, x.typed_data(), M, K, wd[0], entry);
 }
 
 ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> scale,
@@ -557,9 +554,7 @@ ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi
   const Int4Weight reader{w.typed_data() + entry * K / 2 * N, reinterpret_cast<const uint16_t*>(scale.untyped_data()) + groups,
                           reinterpret_cast<const uint16_t*>(min.untyped_data()) + groups, N};
   std::vector<Product> products{Plan(x.typed_data(), reader, y->typed_data(), M, K, CeilDiv(N, Threads()))};
-  if (auto error = PlanBeside(beside, beside_results, x.typed_data(), M, K, wd[0], entry, products); error.failure()) return error;
-  Run(products);
-  return ffi::Error::Success();
+  return RunWithBeside(std::move(products), beside, beside_results, x.typed_data(), M, K, wd[0], entry);
 }
 
 // A decode pass's attention, fused: its few query rows against the cache's live slots (those below
@@ -848,7 +843,8 @@ ffi::Error ContextLogits(ffi::Buffer<ffi::F32> hidden, ffi::Buffer<ffi::F32> hea
   thread_local std::vector<int64_t> first;  // [V]: the position that scores an id, or -1
   if (int64_t(first.size()) != V) first.assign(V, -1);
   // Each row's ids inside the table are scored once, at their first position, and copied to repeats.
-  std::vector<std::vector<int64_t>> scored(B), repeats(B);
+  std::vector<std::vector<int64_t>> scored(B);
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> repeats(B);  // (the position scored, a repeat's)
   std::vector<std::pair<int64_t, int64_t>> groups;  // (row, first of up to 16 scored positions)
   EachHead(count, 1, L, [&](int64_t b, int64_t n) {  // one "head" per row: its count clamped to [0, L]
     const int32_t* row_ids = ids.typed_data() + b * L;
@@ -860,7 +856,7 @@ ffi::Error ContextLogits(ffi::Buffer<ffi::F32> hidden, ffi::Buffer<ffi::F32> hea
         first[token] = l;
         scored[b].push_back(l);
       } else {
-        repeats[b].push_back(first[token] * L + l);
+        repeats[b].emplace_back(first[token], l);
       }
     }
     for (const int64_t l : scored[b]) first[row_ids[l]] = -1;
@@ -893,8 +889,8 @@ ffi::Error ContextLogits(ffi::Buffer<ffi::F32> hidden, ffi::Buffer<ffi::F32> hea
   });
   for (int64_t b = 0; b < B; ++b) {
     float* out = logits->typed_data() + b * T * L;
-    for (const int64_t pair : repeats[b])
-      for (int64_t t = 0; t < T; ++t) out[t * L + pair % L] = out[t * L + pair / L];
+    for (const auto [scored_at, l] : repeats[b])
+      for (int64_t t = 0; t < T; ++t) out[t * L + l] = out[t * L + scored_at];
   }
   return ffi::Error::Success();
 }

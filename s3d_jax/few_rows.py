@@ -245,8 +245,9 @@ def _results(x_MK, weights_LKN):
     return [jax.ShapeDtypeStruct((*x_MK.shape[:-1], w.shape[-1]), jnp.float32) for w in weights_LKN]
 
 
-def _beside_jvp(x, dx, beside, dbeside, at):
-    return tuple(dx @ entry(b, at) + x @ entry(db, at) for b, db in zip(beside, dbeside))
+def _float_tangents(x, dx, stacks, dstacks, at):
+    """The tangents of `x @ w[at]` for each float stack w of `stacks`."""
+    return tuple(dx @ entry(w, at) + x @ entry(dw, at) for w, dw in zip(stacks, dstacks))
 
 
 @jax.custom_jvp
@@ -260,7 +261,7 @@ def _kernel(x_MK, w_LKN, at, beside=()):
 @_kernel.defjvp
 def _kernel_jvp(primals, tangents):
     (x, w, at, beside), (dx, dw, _, dbeside) = primals, tangents
-    return _kernel(x, w, at, beside), (dx @ entry(w, at) + x @ entry(dw, at), *_beside_jvp(x, dx, beside, dbeside, at))
+    return _kernel(x, w, at, beside), _float_tangents(x, dx, (w, *beside), (dw, *dbeside), at)
 
 
 @jax.custom_jvp
@@ -280,7 +281,7 @@ def _quantized_kernel_jvp(primals, tangents):
     # The weight is linear in its scales (and minimums) for fixed values, which have no tangent.
     dw_value = quant.dequantize({**{k: dw[k] for k in w if k != "values"}, "values": w["values"]}, 1)
     dy = dx @ quant.dequantize(w, 1) + x @ dw_value
-    return _quantized_kernel(x, stack, at, beside), (dy, *_beside_jvp(x, dx, beside, dbeside, at))
+    return _quantized_kernel(x, stack, at, beside), (dy, *_float_tangents(x, dx, beside, dbeside, at))
 
 
 def result_dtype(x, w, preferred_element_type=None):
@@ -314,7 +315,7 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None, at=
 def matmuls(x, weights, n_in: int = 1, precision=None, preferred_element_type=None, at=None):
     """`matmul(x, w, ...)` for each w of `weights`, in one kernel call where the kernel applies to them
     all: a draft adapter's A factor beside its projection, whose threads then take both products'
-    parts from one hand-off (docs/cpu.md, "The loop's own operations"). Weights after the first are
+    parts from one hand-off (docs/cpu.md, "The few-row kernel"). Weights after the first are
     float; each result is what `matmul` would give alone, bit for bit."""
     w, beside = weights[0], weights[1:]
     quantized = quant.is_quantized(w)
