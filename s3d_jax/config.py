@@ -78,6 +78,9 @@ class ModelConfig:
     draft_skip: tuple[int, int] | None = None
     draft_gamma: int | None = None
     draft_lora_rank: int = 0  # > 0: draft passes add LoRA adapters; the verifier never does
+    # The adapters' float type. None: the weights' (`jnp_dtype`), as training holds them; an applied drafter
+    # holds them in bfloat16 (`drafter.DECODE_DTYPE`): they only shape drafts, which the verifier checks.
+    draft_dtype: str | None = None
     # > 0: draft passes score only this many tokens (the drafter's most frequent ones, FR-Spec),
     # through the `draft_vocab` ids and their `draft_head` columns; verification keeps the full head.
     draft_vocab_size: int = 0
@@ -103,6 +106,8 @@ class ModelConfig:
             raise ConfigError(f"unknown architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
+        if self.draft_dtype is not None and self.draft_dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"unsupported draft_dtype {self.draft_dtype!r}; supported: {', '.join(FLOAT_DTYPES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "max_position_embeddings", "sliding_window", "draft_gamma"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -150,6 +155,11 @@ class ModelConfig:
     def jnp_dtype(self):
         """The float type of unquantized weights (activations and the KV cache are float32)."""
         return DTYPES[self.dtype]
+
+    @property
+    def draft_jnp_dtype(self):
+        """The float type of the draft adapters."""
+        return self.jnp_dtype if self.draft_dtype is None else FLOAT_DTYPES[self.draft_dtype]
 
     @property
     def quantized(self) -> bool:

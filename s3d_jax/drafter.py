@@ -32,7 +32,7 @@ from safetensors import SafetensorError, safe_open
 from s3d_jax import quant
 from s3d_jax.checkpoint import CheckpointError, Model, check_params, save_safetensors
 from s3d_jax.config import ModelConfig, validate_skip
-from s3d_jax.model import abstract_params, join_qkv
+from s3d_jax.model import abstract_params, draft_head_table, join_qkv
 from s3d_jax.options import check_int
 
 FORMAT = 2  # 1: one adapter per projection, before q, k, v and gate, up were fused (read, and fused, by `load_file`)
@@ -41,6 +41,10 @@ SUFFIX = ".safetensors"
 BASE_FIELDS = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mask_token_id")
 CHECKSUM_COLUMNS = 1024  # of the vocabulary table, summed: tells apart two models of the same shape
 CHECKSUM_RTOL = 1e-3  # loose enough for a bfloat16 copy of the same weights
+# The adapters' type once applied: half float32's bytes to hold and to read in every draft pass. They
+# only shape drafts, which the verifier checks, so greedy output is the base model's at any type
+# (docs/design.md, "The drafter file"). Training keeps them in float32, and so does the file.
+DECODE_DTYPE = "bfloat16"
 
 
 class DrafterError(CheckpointError):
@@ -101,7 +105,8 @@ def with_draft_vocab(params, config: ModelConfig, ranking: np.ndarray | None, si
         raise DrafterError("the token ranking holds ids the model never produces (the mask, padding, outside the vocabulary) "
                            "or repeats one: it was made for another model")
     head = params["embed"] if config.tie_embeddings else params["lm_head"]
-    params = {**params, "draft_vocab": jnp.asarray(ids), "draft_head": jax.jit(quant.select_columns)(head, jnp.asarray(ids))}
+    table = jax.jit(draft_head_table, static_argnums=2)(head, jnp.asarray(ids), config)
+    params = {**params, "draft_vocab": jnp.asarray(ids), "draft_head": table}
     return params, config.replace(draft_vocab_size=size)
 
 
@@ -215,8 +220,8 @@ def check_base(drafter: Drafter, model: Model, where: str) -> None:
 
 
 def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: int | None = None) -> Model:
-    """The model with the drafter's adapters, mask row, defaults and (optionally reduced) draft head.
-    `draft_vocab_size` overrides the drafter's default (0: the full head)."""
+    """The model with the drafter's adapters (in `DECODE_DTYPE`), mask row, defaults and (optionally
+    reduced) draft head. `draft_vocab_size` overrides the drafter's default (0: the full head)."""
     where = "given"
     if not isinstance(drafter, Drafter):
         where = str(drafter)
@@ -224,7 +229,8 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
     check_base(drafter, model, where)
     config = model.config
     skip = validate_skip(drafter.skip, config.num_layers)
-    config = config.replace(draft_skip=skip, draft_gamma=drafter.gamma, draft_lora_rank=drafter.lora_rank, draft_tree=drafter.tree)
+    config = config.replace(draft_skip=skip, draft_gamma=drafter.gamma, draft_lora_rank=drafter.lora_rank, draft_tree=drafter.tree,
+                            draft_dtype=DECODE_DTYPE)
     if drafter.mask_row.shape != (config.hidden_size,):
         raise DrafterError(f"the drafter {where} has a mask row of shape {drafter.mask_row.shape}, the model needs ({config.hidden_size},)")
     embed = jax.jit(quant.set_column, static_argnums=1)(model.params["embed"], config.mask_token_id, drafter.mask_row)

@@ -107,7 +107,7 @@ def linear(module: nn.Module, name: str, x, layer, in_shape, out_shape, draft: b
     w = weight(module, name, (L, *in_shape), out_shape)
     update = None
     if c.draft_lora_rank and (draft or module.is_initializing()):
-        lora = DraftLoRA(c.draft_lora_rank, L, tuple(in_shape), tuple(out_shape), c.jnp_dtype, c.precision, init_normal, slot_parts,
+        lora = DraftLoRA(c.draft_lora_rank, L, tuple(in_shape), tuple(out_shape), c.draft_jnp_dtype, c.precision, init_normal, slot_parts,
                          slot_axis, name=f"{name}_lora")
         y, update = lora(x, layer, w)
     else:
@@ -271,9 +271,9 @@ class Transformer(nn.Module):
         self.final_norm = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one)
         if not c.tie_embeddings:
             self.lm_head = vocabulary_table(self, "lm_head")
-        if c.draft_vocab_size:  # the reduced draft head: token ids (ascending) and a copy of their head columns
+        if c.draft_vocab_size:  # the reduced draft head: token ids (ascending) and a copy of their head columns (`draft_head_table`)
             self.draft_vocab = self.param("draft_vocab", lambda _: default_draft_vocab(c))
-            self.draft_head = self.param("draft_head", lambda _: quant.select_columns(self.head(), self.draft_vocab))
+            self.draft_head = self.param("draft_head", lambda _: draft_head_table(self.head(), self.draft_vocab, c))
 
     def __call__(self, tokens_BT, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT,
                  layers: tuple[int, ...], draft: bool = False):
@@ -335,6 +335,12 @@ def default_draft_vocab(config: ModelConfig):
     """The first `draft_vocab_size` producible ids (a random model's draft vocabulary; a drafter sets its own)."""
     ids = np.arange(config.draft_vocab_size + 1)
     return jnp.asarray(ids[ids != config.mask_token_id][: config.draft_vocab_size], jnp.int32)
+
+
+def draft_head_table(head, ids, config: ModelConfig):
+    """The reduced draft head: `head`'s columns `ids`, quantized as `head` is, else in the adapters' float type."""
+    table = quant.select_columns(head, ids)
+    return table if quant.is_quantized(table) else table.astype(config.draft_jnp_dtype)
 
 
 def cast_dtype(leaf_dtype, dtype):

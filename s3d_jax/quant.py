@@ -13,8 +13,8 @@ Each entry is one float32 value, so a product with a quantized weight equals a p
 float32 weight: decoding a quantized model is decoding the float32 model whose weights are the
 dequantized ones, and speculative decoding stays token-exact. A vocabulary table `[D, V]` is grouped
 along D, the head's input, and a token's embedding is its dequantized column; the tables are int8 in
-an int4 model too, as llama.cpp's Q4 files keep them (docs/models.md, "Precisions"). Norms, biases and
-the drafter's adapters stay float32.
+an int4 model too, as llama.cpp's Q4 files keep them (docs/models.md, "Precisions"). Norms and biases
+stay float32, and an applied drafter's adapters are bfloat16 (`drafter.DECODE_DTYPE`).
 
 `few_rows.matmul` reads a quantized weight directly in the CPU kernel (decode passes) and
 dequantizes it for XLA's dot everywhere else (prefill, training, other backends).

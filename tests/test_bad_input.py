@@ -246,6 +246,7 @@ CONFIG_CASES = [
     (dict(draft_skip=[1.5, 3]), r"config field draft_skip must be tuple\[int, int\] or None, got \[1.5, 3\]"),
     (dict(draft_gamma=0), r"config field draft_gamma must be a positive integer, got 0"),
     (dict(mask_token_id=96), r"mask_token_id 96 is outside the vocabulary"),
+    (dict(draft_dtype="int8"), r"unsupported draft_dtype 'int8'; supported: float32, bfloat16, float16"),
 ]
 
 

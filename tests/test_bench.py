@@ -180,6 +180,16 @@ def test_every_command_line_passes_its_dtype_to_load():
         assert load_arguments(parse([*argv, "--dtype", "int8"]))["dtype"] == "int8"
 
 
+def test_plain_decoding_loads_the_bare_model_and_s3d_its_drafter():
+    """The baseline's memory is the model's alone: plain decoding loads no drafter, whatever the flags say."""
+    from s3d_jax.bench import __main__ as bench
+    from s3d_jax.options import DecodeOptions
+
+    load = {"path": "m", "drafter": "d.safetensors", "draft_vocab_size": 64, "dtype": "int4", "mesh": None}
+    plain, s3d = (bench.method_request(m, load, {}, DecodeOptions())["load"] for m in ("ar", "s3d"))
+    assert plain == {**load, "drafter": None, "draft_vocab_size": None} and s3d == load
+
+
 def test_bench_precisions_on_a_tiny_model(tmp_path):
     """Each precision's plain and S3D engines in one run: S3D reproduces plain at every precision, and
     float32 agrees with itself."""

@@ -65,9 +65,11 @@ def test_round_trip_restores_adapters_mask_row_and_defaults(tmp_path):
     draft_layers = list(trained.config.draft_layers(SKIP))
     skipped = [i for i in trained.config.all_layers if i not in draft_layers]
     for key, value in want.items():
-        if "_lora" in "".join(key):  # a stack of adapters, one per layer
+        if "_lora" in "".join(key):  # a stack of adapters, one per layer, rounded to the decode type
+            assert got[key].dtype == jnp.dtype(drafter.DECODE_DTYPE) and value.dtype == jnp.float32
             assert not np.any(np.asarray(got[key])[skipped]), "skipped layers carry no adapters"
-            np.testing.assert_array_equal(np.asarray(got[key])[draft_layers], np.asarray(value)[draft_layers], err_msg=str(key))
+            rounded = np.asarray(value.astype(drafter.DECODE_DTYPE))[draft_layers]
+            np.testing.assert_array_equal(np.asarray(got[key])[draft_layers], rounded, err_msg=str(key))
         else:
             np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(value), err_msg=str(key))
     np.testing.assert_array_equal(np.asarray(applied.params["draft_vocab"]), np.sort(_ranking(base.config)[:40]))
@@ -103,8 +105,9 @@ def test_reduced_head_only_proposes_its_tokens_and_never_the_mask(tmp_path):
 
 
 def test_reduced_head_also_scores_each_rows_context_exactly(tmp_path):
-    """Context ids get the full head's exact logits, per row; ids neither frequent nor in the row's
-    context (so rows do not mix), and the mask id even in a context, stay -inf."""
+    """Context ids get the full head's exact logits, per row, and the frequent ids those of its columns
+    in the draft head's type; ids neither frequent nor in the row's context (so rows do not mix), and
+    the mask id even in a context, stay -inf."""
     base, _, path = _file(tmp_path)
     model = drafter.apply(base, path, draft_vocab_size=16)
     config = model.config
@@ -114,9 +117,15 @@ def test_reduced_head_also_scores_each_rows_context_exactly(tmp_path):
     hidden = jax.random.normal(jax.random.key(1), (2, 3, config.hidden_size))
     logits = np.asarray(draft_head_logits(model.params, config, hidden, jnp.asarray(context)))
     full = np.asarray(head_logits(model.params, config, hidden))
+    head = "embed" if config.tie_embeddings else "lm_head"
+    assert model.params["draft_head"].dtype == jnp.dtype(drafter.DECODE_DTYPE)
+    rounded = {**model.params, head: model.params[head].astype(drafter.DECODE_DTYPE).astype(jnp.float32)}
+    full_rounded = np.asarray(head_logits(rounded, config, hidden))
     for b in range(2):
         scored = sorted((frequent | set(context[b].tolist())) - {config.mask_token_id})
-        np.testing.assert_allclose(logits[b][:, scored], full[b][:, scored], rtol=1e-5, atol=1e-5)
+        from_context = sorted(set(context[b].tolist()) - frequent - {config.mask_token_id})
+        np.testing.assert_allclose(logits[b][:, from_context], full[b][:, from_context], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(logits[b][:, sorted(frequent)], full_rounded[b][:, sorted(frequent)], rtol=1e-5, atol=1e-5)
         unscored = np.setdiff1d(np.arange(config.vocab_size), scored)
         assert np.all(logits[b][:, unscored] == NEG_INF)
 

@@ -71,7 +71,10 @@ def method_request(method: str, load: dict, prompts: dict, decode: DecodeOptions
                    lookup: bool | None = None, min_certainty: float | None = None) -> dict:
     """What a method's process (s3d_jax.bench.methods) runs: s3d_sample samples, the others are greedy;
     greedy s3d verifies a tree of `tree` nodes (the context branch per `lookup`, drafting per
-    `min_certainty`) when one is given."""
+    `min_certainty`) when one is given. Plain decoding loads the bare model: its peak memory is the
+    baseline that S3D's drafter and loop are measured against."""
+    if method == "ar":
+        load = {**load, "drafter": None, "draft_vocab_size": None}
     if method == "s3d_sample":
         decode = decode.replace(method="s3d")  # the chain: the drafter's default tree is for greedy s3d
     else:

@@ -52,7 +52,7 @@ def load_base_model(cfg: ml_collections.ConfigDict) -> Model:
         raise ConfigError(f"data.max_len {cfg.data.max_len} exceeds the model's {model.config.max_position_embeddings} positions")
     # Master weights are float32 (or the frozen projections quantized); `train.compute_dtype` sets the
     # precision of the passes.
-    config = model.config.replace(dtype="float32", draft_lora_rank=cfg.s3d.lora_rank)
+    config = model.config.replace(dtype="float32", draft_lora_rank=cfg.s3d.lora_rank, draft_dtype=None)  # adapters train in float32
     if held:
         params = quant.quantize_params(model.params, held)
         # The vocabulary tables in float32: the mask token's row trains, and a quantized table has no row to train.

@@ -19,7 +19,7 @@ from s3d_jax.train.trainer import trainer_from
 def dry_run(cfg: ml_collections.ConfigDict) -> dict:
     """The model, its skip range, parameter counts, and memory per device in GiB by kind."""
     validate(cfg)
-    config = base_config(cfg).replace(dtype="float32", draft_lora_rank=cfg.s3d.lora_rank)
+    config = base_config(cfg).replace(dtype="float32", draft_lora_rank=cfg.s3d.lora_rank, draft_dtype=None)
     params = abstract_params(config)
     trainer, _ = trainer_from(cfg, config, params)
     opt_state = jax.eval_shape(trainer.optimizer.init, params)
