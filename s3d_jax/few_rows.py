@@ -349,9 +349,13 @@ def _xla_matmul(x, w, n_in, precision, preferred_element_type, at):
         # to XLA's CPU scheduler.
         out_dtype = result_dtype(x.dtype, x.dtype, preferred_element_type)
         zero = (0 * x.reshape(-1)[0]).astype(w["scale"].dtype)
-        w = quant.dense({**w, "scale": w["scale"] + zero}, n_in)
-        w = w.astype(x.dtype) if jnp.dtype(x.dtype).itemsize < 4 else w  # as a float base in a 16-bit pass
-        return tensordot(x, w, n_in, precision, out_dtype)
+        w = {**w, "scale": w["scale"] + zero}
+        narrow = (lambda v: v.astype(x.dtype)) if jnp.dtype(x.dtype).itemsize < 4 else (lambda v: v)  # as a float base in a 16-bit pass
+        if quant.bits_of(w) == 4:  # x's even entries by the low nibbles' rows, its odd ones by the high nibbles'
+            even, odd = quant.dequantize_nibbles(w, n_in)
+            return (tensordot(x[..., 0::2], narrow(even), n_in, precision, jnp.float32)
+                    + tensordot(x[..., 1::2], narrow(odd), n_in, precision, jnp.float32)).astype(out_dtype)
+        return tensordot(x, narrow(quant.dense(w, n_in)), n_in, precision, out_dtype)
     out_dtype = result_dtype(x.dtype, w.dtype, preferred_element_type)
     if jnp.dtype(w.dtype).itemsize < jnp.dtype(x.dtype).itemsize:
         x = x.astype(w.dtype)

@@ -105,6 +105,20 @@ def dequantize(w: Mapping, n_in: int):
     return (grouped * jnp.expand_dims(w["scale"].astype(jnp.float32), n_in) + offset).reshape(values.shape)
 
 
+def dequantize_nibbles(w: Mapping, n_in: int):
+    """An int4 weight's float32 value as two arrays `[.., K/2, *out]`: its even entries along K and its
+    odd ones, the low and the high nibbles. A product reads them against x's even and odd entries
+    (`few_rows`): XLA's CPU took five times longer to interleave the two into one weight than to
+    compute them (docs/cpu.md, "Prefill at int4")."""
+    scale, low = (jnp.expand_dims(w[k].astype(jnp.float32), n_in) for k in ("scale", "min"))
+
+    def half(codes):  # [.., K/2, *out] in groups of GROUP/2 along K/2
+        grouped = codes.reshape(*codes.shape[: n_in - 1], codes.shape[n_in - 1] // (GROUP // 2), GROUP // 2, *codes.shape[n_in:])
+        return (grouped.astype(jnp.float32) * scale + low).reshape(codes.shape)
+
+    return half(w["values"] & 15), half(w["values"] >> 4)
+
+
 def initializer(init, bits: int):
     """A flax initializer of a quantized weight: `init`'s float32 weight, quantized."""
 

@@ -76,6 +76,9 @@ def test_int4_groups_hold_a_scale_and_a_minimum():
     assert codes.min() == 0 and codes.max() == 15
     back = np.asarray(quant.dequantize(q, 1))
     assert np.all(back[:32, 1] == 0.25)
+    even, odd = quant.dequantize_nibbles(q, 1)  # the same entries, the two nibbles' rows apart
+    np.testing.assert_array_equal(np.asarray(even), back[0::2])
+    np.testing.assert_array_equal(np.asarray(odd), back[1::2])
     bound = np.repeat(q["scale"].astype(np.float32), 32, axis=0) / 2 + np.abs(w) * 2e-3  # and the float16 minimum
     assert np.all(np.abs(back - w) <= bound)
     np.testing.assert_array_equal(quant.pack_nibbles(codes, 1), q["values"])
@@ -105,8 +108,11 @@ def test_quantized_products_do_not_depend_on_the_rows_beside_them(bits, rows, k,
 def test_more_rows_and_gradients_use_the_dequantized_weight(bits):
     q = jax.tree.map(jnp.asarray, quant.quantize(random((2, 32, 24), 3), 2, bits))
     dense = quant.dequantize(q, 2)
-    x = jnp.asarray(random((40, 2, 32), 4))  # more rows than the kernel takes: XLA's dot
+    x = jnp.asarray(random((few_rows.MAX_NARROW_ROWS + 16, 2, 32), 4))  # more rows than the kernel takes: XLA's dot
+    assert not few_rows.applies(x.shape[0], x.dtype, q["values"].dtype)
     np.testing.assert_allclose(few_rows.matmul(x, q, 2), jnp.tensordot(x, dense, 2), rtol=1e-5, atol=1e-5)
+    stack = jax.tree.map(lambda part: jnp.stack([part * 0, part]), q)  # entry `at` of a stack, as the layers read it
+    np.testing.assert_allclose(few_rows.matmul(x, stack, 2, at=jnp.int32(1)), jnp.tensordot(x, dense, 2), rtol=1e-5, atol=1e-5)
     few = x[:3]
     grad = jax.grad(lambda x: few_rows.matmul(x, q, 2).sum())(few)
     np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.tensordot(x, dense, 2).sum())(few), rtol=1e-5, atol=1e-5)
