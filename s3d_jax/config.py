@@ -78,8 +78,9 @@ class ModelConfig:
     draft_skip: tuple[int, int] | None = None
     draft_gamma: int | None = None
     draft_lora_rank: int = 0  # > 0: draft passes add LoRA adapters; the verifier never does
-    # The adapters' float type. None: the weights' (`jnp_dtype`), as training holds them; an applied drafter
-    # holds them in bfloat16 (`drafter.DECODE_DTYPE`): they only shape drafts, which the verifier checks.
+    # The float type of the drafter's own weights (the adapters, a float table's reduced draft head). None:
+    # the weights' (`jnp_dtype`), as training holds them; an applied drafter holds them in bfloat16
+    # (`drafter.DECODE_DTYPE`): they only shape drafts, which the verifier checks.
     draft_dtype: str | None = None
     # > 0: draft passes score only this many tokens (the drafter's most frequent ones, FR-Spec),
     # through the `draft_vocab` ids and their `draft_head` columns; verification keeps the full head.
@@ -158,7 +159,7 @@ class ModelConfig:
 
     @property
     def draft_jnp_dtype(self):
-        """The float type of the draft adapters."""
+        """The float type of the drafter's own weights (`draft_dtype`)."""
         return self.jnp_dtype if self.draft_dtype is None else FLOAT_DTYPES[self.draft_dtype]
 
     @property
