@@ -41,9 +41,10 @@ SUFFIX = ".safetensors"
 BASE_FIELDS = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mask_token_id")
 CHECKSUM_COLUMNS = 1024  # of the vocabulary table, summed: tells apart two models of the same shape
 CHECKSUM_RTOL = 1e-3  # loose enough for a bfloat16 copy of the same weights
-# The adapters' type once applied: half float32's bytes to hold and to read in every draft pass. They
-# only shape drafts, which the verifier checks, so greedy output is the base model's at any type
-# (docs/design.md, "The drafter file"). Training keeps them in float32, and so does the file.
+# The type of the adapters and a float table's reduced draft head once applied: half float32's bytes to
+# hold and to read in every draft pass. They only shape drafts, which the verifier checks, so greedy output
+# is the base model's at any type (docs/design.md, "The drafter's weights in bfloat16"). Training keeps the
+# adapters in float32, and so does the file.
 DECODE_DTYPE = "bfloat16"
 
 

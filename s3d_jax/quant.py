@@ -97,12 +97,12 @@ def unpack_nibbles(values, n_in: int):
 
 def dequantize(w: Mapping, n_in: int):
     """The float32 weight a quantized one stands for (the same products the CPU kernel rounds)."""
-    if bits_of(w) == 8:
-        values, offset = w["values"], 0
-    else:
-        values, offset = unpack_nibbles(w["values"], n_in), jnp.expand_dims(w["min"].astype(jnp.float32), n_in)
-    grouped = _grouped(values, n_in).astype(jnp.float32)
-    return (grouped * jnp.expand_dims(w["scale"].astype(jnp.float32), n_in) + offset).reshape(values.shape)
+    if bits_of(w) == 4:  # the two nibbles' rows, interleaved back in place
+        even, odd = dequantize_nibbles(w, n_in)
+        pairs = jnp.stack([even, odd], axis=n_in)
+        return pairs.reshape(*even.shape[: n_in - 1], even.shape[n_in - 1] * 2, *even.shape[n_in:])
+    grouped = _grouped(w["values"], n_in).astype(jnp.float32)
+    return (grouped * jnp.expand_dims(w["scale"].astype(jnp.float32), n_in)).reshape(w["values"].shape)
 
 
 def dequantize_nibbles(w: Mapping, n_in: int):
