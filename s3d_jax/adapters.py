@@ -25,7 +25,7 @@ class DraftLoRA(nn.Module):
     A is read in the projection's own kernel call (`few_rows.matmuls`): 60 fewer calls per draft."""
 
     rank: int
-    layers: int  # a stack of adapters, one per layer (`model.linear`), of which a call reads entry `layer`
+    layers: int  # a stack of adapters, one per draft layer (`model.adapter_entry`), of which a call reads entry `entry`
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     dtype: jnp.dtype
@@ -35,21 +35,21 @@ class DraftLoRA(nn.Module):
     slot_axis: int = 0
 
     @nn.compact
-    def __call__(self, x, layer, projection):
-        """`(x @ projection[layer], x A B)`: the projection's product and the update, x's products with
-        the projection and with A in one call (`few_rows.matmuls`)."""
+    def __call__(self, x, layer, entry, projection):
+        """`(x @ projection[layer], x A[entry] B[entry])`: the projection's product and the update, x's
+        products with the projection and with A in one call (`few_rows.matmuls`)."""
         n_in, r, L = len(self.in_shape), self.rank, self.layers
         parts = 1 if self.slot_parts is None else max(self.slot_parts) + 1
         a = self.param("a", self.init_a, (L, *self.in_shape, parts * r), self.dtype)
-        y, low = few_rows.matmuls(x, (projection, a), n_in, self.precision, at=layer)
+        y, low = few_rows.matmuls(x, (projection, a), n_in, self.precision, at=(layer, entry))
         if self.slot_parts is None:
             b = self.param("b", nn.initializers.zeros, (L, r, *self.out_shape), self.dtype)
-            return y, few_rows.matmul(low, b, 1, self.precision, at=layer)
+            return y, few_rows.matmul(low, b, 1, self.precision, at=entry)
         slot_shape = self.out_shape[: self.slot_axis] + self.out_shape[self.slot_axis + 1 :]
         b = self.param("b", nn.initializers.zeros, (L, len(self.slot_parts), r, *slot_shape), self.dtype)
         low = low.reshape(*low.shape[:-1], parts, r)[..., np.asarray(self.slot_parts), :]  # [.., slots, r]
         lead = low.shape[:-2]
         low_SMR = jnp.moveaxis(low, -2, 0).reshape(len(self.slot_parts), -1, r)
-        update = few_rows.batched_matmul(low_SMR, b.reshape(*b.shape[:3], -1), layer, self.precision)  # [slots, M, slot size]
+        update = few_rows.batched_matmul(low_SMR, b.reshape(*b.shape[:3], -1), entry, self.precision)  # [slots, M, slot size]
         update = update.reshape(len(self.slot_parts), *lead, *slot_shape)
         return y, jnp.moveaxis(update, 0, len(lead) + self.slot_axis).astype(x.dtype)

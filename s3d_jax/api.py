@@ -53,7 +53,7 @@ def load(
         sharding.check_divides(checkpoint.load_config(bundled.ensure_converted() if path is None else path), mesh)
     model = bundled.load(dtype, mesh) if path is None else checkpoint.load(path, dtype, mesh)
     if drafter is not None:
-        model = drafter_lib.apply(model, drafter, draft_vocab_size)
+        model = drafter_lib.apply(model, drafter, draft_vocab_size, reuse_base=True)
     if mesh is not None:  # the drafter's arrays, made on one device, join the layout
         model = dataclasses.replace(model, params=sharding.place(model.params, model.config, mesh))
     return model
@@ -286,6 +286,9 @@ def plan_for(config: ModelConfig, options: DecodeOptions, policy: Policy | None 
     gamma = (config.draft_gamma or DEFAULT_GAMMA) if options.gamma is None else options.gamma
     skip = options.skip if options.skip is not None else config.draft_skip or default_skip(config.num_layers)
     skip = validate_skip(skip, config.num_layers)
+    if config.draft_lora_rank and skip != config.draft_skip:
+        raise ValueError(f"this model's draft adapters belong to the layers outside its skip range {list(config.draft_skip)}: "
+                         f"it drafts with that range, not {list(skip)}")
     if options.method == "s3d" and config.mask_token_id is None:
         raise ValueError(
             "this checkpoint has no mask token row (mask_token_id is unset): S3D drafting needs one; "

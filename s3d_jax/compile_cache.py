@@ -11,6 +11,7 @@ else `$XDG_CACHE_HOME/s3d_jax` or `~/.cache/s3d_jax`). A directory already set t
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -46,3 +47,17 @@ def enable(path: str | os.PathLike | None = None) -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     return path
+
+
+@contextlib.contextmanager
+def keeping_every_compile():
+    """Inside (a `with` block or a decorated function), a compile is written to the cache however quick
+    it was: for the few computations that every load runs once (a drafter's mask row, its draft head),
+    so that a warm process compiles nothing. A compile, even a tiny one, brings some 24 MiB of the compiler's own code into memory,
+    which decoding from the cache never touches (docs/cpu.md, "Memory: the compile and the persistent cache")."""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)

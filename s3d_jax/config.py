@@ -119,6 +119,8 @@ class ModelConfig:
         for name in ("draft_lora_rank", "draft_tree"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"config field {name} must be >= 0, got {getattr(self, name)}")
+        if self.draft_lora_rank and self.draft_skip is None:
+            raise ConfigError("draft_lora_rank needs draft_skip: the adapters are stacked over the draft layers")
         if not 0 <= self.draft_vocab_size <= self.produced_vocab_size:
             raise ConfigError(
                 f"config field draft_vocab_size must be in [0, {self.produced_vocab_size}] (the tokens the "

@@ -29,7 +29,7 @@ import numpy as np
 from flax import traverse_util
 from safetensors import SafetensorError, safe_open
 
-from s3d_jax import quant
+from s3d_jax import compile_cache, quant
 from s3d_jax.checkpoint import CheckpointError, Model, check_params, save_safetensors
 from s3d_jax.config import ModelConfig, validate_skip
 from s3d_jax.model import abstract_params, draft_head_table, join_qkv
@@ -116,9 +116,12 @@ def extract(params, config: ModelConfig, skip, gamma: int, ranking=None, draft_v
     """The drafter inside trained params: the draft layers' adapters and the mask row."""
     if config.mask_token_id is None:
         raise DrafterError("the model has no mask token row, so it has no drafter")
+    if config.draft_lora_rank and tuple(skip) != config.draft_skip:
+        raise DrafterError(f"the adapters belong to skip range {list(config.draft_skip)}, not {list(skip)}")
     flat = traverse_util.flatten_dict(jax.device_get(params))
-    lora = {(f"layer_{i}", *k[1:]): np.asarray(v[i], np.float32)  # a file holds the draft layers' entries of the stacks
-            for k, v in flat.items() if k[0] == "layers" and any("_lora" in p for p in k) for i in config.draft_layers(skip)}
+    lora = {(f"layer_{layer}", *k[1:]): np.asarray(v[entry], np.float32)  # the stacks' entries, by the draft layer they belong to
+            for k, v in flat.items() if k[0] == "layers" and any("_lora" in p for p in k)
+            for entry, layer in enumerate(config.draft_layers(skip))}
     mask_row = np.asarray(flat[("embed",)][:, config.mask_token_id], np.float32)
     ranking = None if ranking is None else np.asarray(ranking, np.int32)
     return Drafter(tuple(skip), int(gamma), config.draft_lora_rank, mask_row, lora, ranking, int(draft_vocab_size),
@@ -146,14 +149,16 @@ def save(path: str | os.PathLike, drafter: Drafter) -> Path:
     return path
 
 
-def load_file(path: str | os.PathLike) -> Drafter:
+def load_file(path: str | os.PathLike, adapter_dtype=None) -> Drafter:
+    """The drafter in a file; its adapters cast to `adapter_dtype` one at a time as they are read, if given."""
     path = Path(path)
     if not path.is_file():
         raise DrafterError(f"no drafter file at {path}")
+    cast = (lambda k, v: v.astype(adapter_dtype) if k.startswith("lora/") else v) if adapter_dtype is not None else (lambda k, v: v)
     try:
         with safe_open(str(path), framework="np") as f:
             meta_text = (f.metadata() or {}).get("s3d_drafter")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: cast(k, f.get_tensor(k)) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise DrafterError(f"{path} is not a readable drafter file: {e}") from None
     if meta_text is None:
@@ -220,13 +225,17 @@ def check_base(drafter: Drafter, model: Model, where: str) -> None:
                            f"the model's {ours}); its token ranking would name other tokens")
 
 
-def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: int | None = None) -> Model:
+@compile_cache.keeping_every_compile()  # its few computations run at every load: a warm process compiles nothing
+def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: int | None = None, reuse_base: bool = False) -> Model:
     """The model with the drafter's adapters (in `DECODE_DTYPE`), mask row, defaults and (optionally
-    reduced) draft head. `draft_vocab_size` overrides the drafter's default (0: the full head)."""
+    reduced) draft head. `draft_vocab_size` overrides the drafter's default (0: the full head).
+    `reuse_base`: the base's vocabulary table takes the mask row in place, once nothing else can fail,
+    and `model` is spent: for a caller that drops it (`s3d_jax.load`), since a copy of the table would
+    be the largest memory S3D adds at load."""
     where = "given"
     if not isinstance(drafter, Drafter):
         where = str(drafter)
-        drafter = load_file(drafter)
+        drafter = load_file(drafter, DECODE_DTYPE)
     check_base(drafter, model, where)
     config = model.config
     skip = validate_skip(drafter.skip, config.num_layers)
@@ -234,23 +243,26 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
                             draft_dtype=DECODE_DTYPE)
     if drafter.mask_row.shape != (config.hidden_size,):
         raise DrafterError(f"the drafter {where} has a mask row of shape {drafter.mask_row.shape}, the model needs ({config.hidden_size},)")
-    embed = jax.jit(quant.set_column, static_argnums=1)(model.params["embed"], config.mask_token_id, drafter.mask_row)
-    params = {**model.params, "embed": embed}
-    flat = traverse_util.flatten_dict(params)  # a draft head applied before is replaced by `with_draft_vocab`
+    flat = traverse_util.flatten_dict(model.params)  # a draft head applied before is replaced by `with_draft_vocab`
     flat = {k: v for k, v in flat.items() if not any("_lora" in p for p in k)}  # and adapters applied before, here
-    adapters = {}  # every layer's stacks of adapters, zero outside the draft layers, filled on the host
+    stacks = {}  # the adapters' stacks, with one entry per draft layer, in order
     if drafter.lora_rank:
-        shapes = traverse_util.flatten_dict(abstract_params(config.replace(draft_vocab_size=0)))  # no second model in memory
-        adapters = {k: np.zeros(v.shape, v.dtype) for k, v in shapes.items() if any("_lora" in p for p in k)}
-    for k, v in drafter.lora.items():  # ("layer_3", "attn", "qkv_lora", "a"): entry 3 of the stack ("layers", ...)
-        layer = int(k[0].removeprefix("layer_")) if k[0].startswith("layer_") else -1
-        stack = adapters.get(("layers", *k[1:]))
-        if stack is None or not 0 <= layer < stack.shape[0] or stack.shape[1:] != v.shape:
+        stacks = {k: v for k, v in traverse_util.flatten_dict(abstract_params(config.replace(draft_vocab_size=0))).items()
+                  if any("_lora" in p for p in k)}  # shapes only: no second model in memory
+    layers = [f"layer_{layer}" for layer in config.draft_layers(skip)]
+    for k, v in drafter.lora.items():  # ("layer_22", "attn", "qkv_lora", "a"): entry 7 of ("layers", "attn", ...) for skip [7, 21]
+        stack = stacks.get(("layers", *k[1:]))
+        if k[0] not in layers:
+            raise DrafterError(f"the drafter {where} has an adapter {'/'.join(k)} outside its draft layers (skip range {list(skip)})")
+        if stack is None or stack.shape[1:] != v.shape:
             raise DrafterError(f"the drafter {where} has an adapter {'/'.join(k)} of shape {v.shape} that the model does not "
                                f"(expected {None if stack is None else stack.shape[1:]})")
-        stack[layer] = v
-    flat.update({k: jax.device_put(adapters.pop(k)) for k in list(adapters)})  # one host stack at a time, copied once
+    for key, stack in stacks.items():  # one stack at a time; an adapter the file lacks is zero
+        entries = [drafter.lora.get((layer, *key[1:]), np.zeros(stack.shape[1:])) for layer in layers]
+        flat[key] = jax.device_put(np.stack([entry.astype(stack.dtype) for entry in entries]))
     size = drafter.draft_vocab_size if draft_vocab_size is None else check_int("draft_vocab_size", draft_vocab_size, 0)
-    params, config = with_draft_vocab(traverse_util.unflatten_dict(flat), config, drafter.ranking, size)
+    params, config = with_draft_vocab(traverse_util.unflatten_dict(flat), config, drafter.ranking, size)  # the mask is not drafted
     check_params(params, config)
-    return Model(params, config, model.tokenizer, drafter.profile)
+    embed = jax.jit(quant.set_column, static_argnums=1, donate_argnums=0 if reuse_base else ())(
+        params["embed"], config.mask_token_id, drafter.mask_row)
+    return Model({**params, "embed": embed}, config, model.tokenizer, drafter.profile)

@@ -445,10 +445,13 @@ int64_t Threads() { return Helpers::Get().size() + 1; }
 
 // Which of a stack's L entries an operation reads: the layer that the decode passes' loop over the
 // layers is at. Every weight and cache reaches the kernel whole, `[L, ...]`, and the entry is an
-// offset into it, so that no layer's slice is ever copied out of the stack.
-bool Entry(ffi::Buffer<ffi::S32>& at, int64_t L, int64_t* entry) {
-  if (at.dimensions().size() != 0) return false;
-  *entry = at.typed_data()[0];
+// offset into it, so that no layer's slice is ever copied out of the stack. `at` is one entry, or
+// one per weight where weights sit beside the first (a draft adapter's stack holds the draft layers
+// only, so its entry is not the projection's); `Entry(at, i, ...)` is weight i's.
+bool Entry(ffi::Buffer<ffi::S32>& at, size_t i, int64_t L, int64_t* entry) {
+  const auto d = at.dimensions();
+  if (d.size() > 1 || (d.size() == 0 ? i != 0 : int64_t(i) >= d[0])) return false;
+  *entry = at.typed_data()[i];
   return 0 <= *entry && *entry < L;
 }
 
@@ -472,21 +475,22 @@ bool WithFloatReader(const ffi::AnyBuffer& w, int64_t offset, int64_t N, PlanFn&
   }
 }
 
-// Runs `products` (the first weight's) with those of the same x by further float weights [L, K, N_i]
-// (`beside`, entry `entry`) into further results [M, N_i], in one job: a draft adapter's A factor
+// Runs `products` (the first weight's) with those of the same x by further float weights [L_i, K, N_i]
+// (`beside`, entry i + 1 of `at`) into further results [M, N_i], in one job: a draft adapter's A factor
 // beside its projection, so that the two share one hand-off to the threads instead of one each.
 ffi::Error RunWithBeside(std::vector<Product> products, const ffi::RemainingArgs& beside, const ffi::RemainingRets& results,
-                         const float* x, int64_t M, int64_t K, int64_t L, int64_t entry) {
+                         const float* x, int64_t M, int64_t K, ffi::Buffer<ffi::S32>& at) {
   const auto invalid = ffi::Error::InvalidArgument(
-      "few_row_matmul: each further weight must be float32, bfloat16 or float16 [L, K, N_i] with the first's L and K, "
-      "and have a float32 result [M, N_i]");
+      "few_row_matmul: each further weight must be float32, bfloat16 or float16 [L_i, K, N_i] with the first's K, "
+      "have a float32 result [M, N_i] and an entry of its own in `at`");
   if (beside.size() != results.size()) return invalid;
   for (size_t i = 0; i < beside.size(); ++i) {
     const auto w = beside.get<ffi::AnyBuffer>(i);
     auto y = results.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !y.has_value()) return invalid;
     const auto wd = w->dimensions(), yd = (*y)->dimensions();
-    if (wd.size() != 3 || wd[0] != L || wd[1] != K || yd.size() != 2 || yd[0] != M || yd[1] != wd[2]) return invalid;
+    int64_t entry;
+    if (wd.size() != 3 || wd[1] != K || yd.size() != 2 || yd[0] != M || yd[1] != wd[2] || !Entry(at, i + 1, wd[0], &entry)) return invalid;
     const int64_t N = wd[2];
     float* out = (*y)->typed_data();
     if (!WithFloatReader(*w, entry * K * N, N, [&](auto reader) { products.push_back(Plan(x, reader, out, M, K, CeilDiv(N, Threads()))); }))
@@ -504,7 +508,7 @@ ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<f
   const size_t rank = xd.size();
   int64_t entry;
   if ((rank != 2 && rank != 3) || wd.size() != rank + 1 || xd[rank - 1] != wd[rank - 1] || (rank == 3 && xd[0] != wd[1]) ||
-      (rank == 3 && beside.size() != 0) || !Entry(at, wd[0], &entry)) {
+      (rank == 3 && beside.size() != 0) || !Entry(at, 0, wd[0], &entry)) {
     return ffi::Error::InvalidArgument(
         "few_row_matmul: expected x [M, K] and w [L, K, N], or x [S, M, K] and w [L, S, K, N] alone, and an entry 0 <= at < L");
   }
@@ -520,7 +524,7 @@ ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<f
     if (!WithFloatReader(w, (entry * S + s) * K * N, N, plan))
       return ffi::Error::InvalidArgument("few_row_matmul: the weight must be float32, bfloat16 or float16");
   }
-  return RunWithBeside(std::move(products), beside, beside_results, x.typed_data(), M, K, wd[0], entry);
+  return RunWithBeside(std::move(products), beside, beside_results, x.typed_data(), M, K, at);
 }
 
 ffi::Error FewRowMatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
@@ -529,14 +533,14 @@ ffi::Error FewRowMatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
   int64_t entry;
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || xd[1] != wd[1] || wd[1] % kGroup || sd[0] != wd[0] ||
-      sd[1] != wd[1] / kGroup || sd[2] != wd[2] || !Entry(at, wd[0], &entry)) {
+      sd[1] != wd[1] / kGroup || sd[2] != wd[2] || !Entry(at, 0, wd[0], &entry)) {
     return ffi::Error::InvalidArgument(
         "few_row_matmul_int8: expected x [M, K], w [L, K, N], scale [L, K/32, N] and an entry 0 <= at < L");
   }
   const int64_t M = xd[0], K = wd[1], N = wd[2];
   std::vector<Product> products{Plan(x.typed_data(), Int8Weight{w.typed_data() + entry * K * N, scale.typed_data() + entry * K / kGroup * N, N},
                                      y->typed_data(), M, K, CeilDiv(N, Threads()))};
-  return RunWithBeside(std::move(products), beside, beside_results, x.typed_data(), M, K, wd[0], entry);
+  return RunWithBeside(std::move(products), beside, beside_results, x.typed_data(), M, K, at);
 }
 
 ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> scale,
@@ -546,7 +550,7 @@ ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi
   int64_t entry;
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || md.size() != 3 || xd[1] % kGroup || xd[1] != 2 * wd[1] ||
       sd[0] != wd[0] || sd[1] != xd[1] / kGroup || sd[2] != wd[2] || md[0] != sd[0] || md[1] != sd[1] || md[2] != sd[2] ||
-      !Entry(at, wd[0], &entry)) {
+      !Entry(at, 0, wd[0], &entry)) {
     return ffi::Error::InvalidArgument(
         "few_row_matmul_int4: expected x [M, K], w [L, K/2, N], scale and min [L, K/32, N] and an entry 0 <= at < L");
   }
@@ -554,7 +558,7 @@ ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi
   const Int4Weight reader{w.typed_data() + entry * K / 2 * N, reinterpret_cast<const uint16_t*>(scale.untyped_data()) + groups,
                           reinterpret_cast<const uint16_t*>(min.untyped_data()) + groups, N};
   std::vector<Product> products{Plan(x.typed_data(), reader, y->typed_data(), M, K, CeilDiv(N, Threads()))};
-  return RunWithBeside(std::move(products), beside, beside_results, x.typed_data(), M, K, wd[0], entry);
+  return RunWithBeside(std::move(products), beside, beside_results, x.typed_data(), M, K, at);
 }
 
 // A decode pass's attention, fused: its few query rows against the cache's live slots (those below
@@ -778,7 +782,7 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, f
                       block_values.dimensions().size() == 4 && bound.dimensions().size() == 1;
   if (!shapes || kd[1] != qd[0] || kd[2] != qd[1] || kd[4] != qd[3] || vd[0] != kd[0] || vd[1] != qd[0] || vd[2] != qd[1] ||
       vd[3] != qd[3] || vd[4] != kd[3] || bk[0] != qd[0] || bk[1] != qd[1] || bk[3] != qd[3] || qd[3] % 16 || qd[2] % bk[2] ||
-      md[0] != qd[0] || md[1] != bk[2] || md[2] != bk[2] || bound.dimensions()[0] != qd[0] || !Entry(at, kd[0], &entry)) {
+      md[0] != qd[0] || md[1] != bk[2] || md[2] != bk[2] || bound.dimensions()[0] != qd[0] || !Entry(at, 0, kd[0], &entry)) {
     return ffi::Error::InvalidArgument(
         "cache_attention: expected q [B, K, R, E], keys [L, B, K, S, E], values [L, B, K, E, S], block keys and values "
         "[B, K, T, E] with T dividing R and 16 dividing E, mask [B, T, T], bound [B] and an entry 0 <= at < L");

@@ -238,22 +238,33 @@ def entry(stack, at):
 
 
 def _at(at):
-    return jnp.asarray(at, jnp.int32)
+    """Entries as the kernel reads them (`Entry` in few_rows.cc): one, or one per weight of a product."""
+    return jnp.asarray(at, jnp.int32) if not isinstance(at, tuple) else jnp.stack([jnp.asarray(a, jnp.int32) for a in at])
+
+
+def _per_weight(at, count: int) -> tuple:
+    """`at` as one entry per weight: a tuple of `count` as it is, a single entry repeated."""
+    if isinstance(at, tuple):
+        if len(at) != count:
+            raise ValueError(f"{len(at)} stack entries for {count} weights")
+        return at
+    return (at,) * count
 
 
 def _results(x_MK, weights_LKN):
     return [jax.ShapeDtypeStruct((*x_MK.shape[:-1], w.shape[-1]), jnp.float32) for w in weights_LKN]
 
 
-def _float_tangents(x, dx, stacks, dstacks, at):
-    """The tangents of `x @ w[at]` for each float stack w of `stacks`."""
-    return tuple(dx @ entry(w, at) + x @ entry(dw, at) for w, dw in zip(stacks, dstacks))
+def _float_tangents(x, dx, stacks, dstacks, ats):
+    """The tangents of `x @ w[at]` for each float stack w of `stacks` and its entry of `ats`."""
+    return tuple(dx @ entry(w, at) + x @ entry(dw, at) for w, dw, at in zip(stacks, dstacks, ats))
 
 
 @jax.custom_jvp
 def _kernel(x_MK, w_LKN, at, beside=()):
-    """`x @ w[at]` and `x @ b[at]` for each float stack b of `beside`, in one call; or with a batch axis
-    (`x [S, M, K]`, `w [L, S, K, N]`, nothing beside) each `x[s] @ w[at, s]`."""
+    """`x @ w[at[0]]` and `x @ b[at[i + 1]]` for each float stack b of `beside`, in one call (`at` one
+    entry per weight, or a scalar with nothing beside); or with a batch axis (`x [S, M, K]`,
+    `w [L, S, K, N]`, nothing beside) each `x[s] @ w[at, s]`."""
     call = jax.ffi.ffi_call(TARGET, _results(x_MK, (w_LKN, *beside)), vmap_method="sequential")
     return tuple(call(x_MK, w_LKN, _at(at), *beside))
 
@@ -261,13 +272,13 @@ def _kernel(x_MK, w_LKN, at, beside=()):
 @_kernel.defjvp
 def _kernel_jvp(primals, tangents):
     (x, w, at, beside), (dx, dw, _, dbeside) = primals, tangents
-    return _kernel(x, w, at, beside), _float_tangents(x, dx, (w, *beside), (dw, *dbeside), at)
+    return _kernel(x, w, at, beside), _float_tangents(x, dx, (w, *beside), (dw, *dbeside), _per_weight(at, 1 + len(beside)))
 
 
 @jax.custom_jvp
 def _quantized_kernel(x_MK, w, at, beside=()):
-    """The kernel's product with entry `at` of a stack of quantized weights `[L, K, N]` (`quant`), and
-    `x @ b[at]` for each float stack b of `beside`, in one call."""
+    """The kernel's product with entry `at[0]` of a stack of quantized weights `[L, K, N]` (`quant`), and
+    `x @ b[at[i + 1]]` for each float stack b of `beside`, in one call."""
     target = TARGET_INT4 if quant.bits_of(w) == 4 else TARGET_INT8
     call = jax.ffi.ffi_call(target, _results(x_MK, (w["values"], *beside)), vmap_method="sequential")
     parts = (w[k] for k in ("values", "scale", "min") if k in w)
@@ -277,11 +288,12 @@ def _quantized_kernel(x_MK, w, at, beside=()):
 @_quantized_kernel.defjvp
 def _quantized_kernel_jvp(primals, tangents):
     (x, stack, at, beside), (dx, dstack, _, dbeside) = primals, tangents
-    w, dw = entry(stack, at), entry(dstack, at)
+    ats = _per_weight(at, 1 + len(beside))
+    w, dw = entry(stack, ats[0]), entry(dstack, ats[0])
     # The weight is linear in its scales (and minimums) for fixed values, which have no tangent.
     dw_value = quant.dequantize({**{k: dw[k] for k in w if k != "values"}, "values": w["values"]}, 1)
     dy = dx @ quant.dequantize(w, 1) + x @ dw_value
-    return _quantized_kernel(x, stack, at, beside), (dy, *_float_tangents(x, dx, beside, dbeside, at))
+    return _quantized_kernel(x, stack, at, beside), (dy, *_float_tangents(x, dx, beside, dbeside, ats[1:]))
 
 
 def result_dtype(x, w, preferred_element_type=None):
@@ -304,7 +316,7 @@ def tensordot(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
 def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None, at=None):
     """`x @ w` over x's last `n_in` axes and w's first `n_in`, as `jnp.tensordot` with the same
     arguments; `w` may be a quantized weight (`quant`), which stands for its float32 value. With
-    `at` (a traced layer index), `w` is a stack of weights `[L, ...]` and the product is with `w[at]`.
+    `at` (a traced index), `w` is a stack of weights `[L, ...]` and the product is with `w[at]`.
 
     With a 16-bit weight and float32 x (the model's activations), the kernel widens the weight in
     registers and multiplies x as it is; XLA's dot multiplies x rounded to the weight's type, its
@@ -316,18 +328,20 @@ def matmuls(x, weights, n_in: int = 1, precision=None, preferred_element_type=No
     """`matmul(x, w, ...)` for each w of `weights`, in one kernel call where the kernel applies to them
     all: a draft adapter's A factor beside its projection, whose threads then take both products'
     parts from one hand-off (docs/cpu.md, "The few-row kernel"). Weights after the first are
-    float; each result is what `matmul` would give alone, bit for bit."""
+    float; each result is what `matmul` would give alone, bit for bit. `at` is every weight's entry,
+    or a tuple of one per weight (an adapter's stack holds other layers than its projection's)."""
     w, beside = weights[0], weights[1:]
     quantized = quant.is_quantized(w)
-    stacks = tuple(v if at is not None else jax.tree.map(lambda part: part[None], v) for v in weights)
+    ats = _per_weight(at, len(weights))
+    stacks = tuple(v if a is not None else jax.tree.map(lambda part: part[None], v) for v, a in zip(weights, ats))
     values = [stacks[0]["values"] if quantized else stacks[0], *stacks[1:]]
     lead = x.shape[: x.ndim - n_in]
     rows = math.prod(lead)
     if not all(applies(rows, x.dtype, v.dtype) and (i == 0 or v.dtype in INPUT_DTYPES) for i, v in enumerate(values)):
-        return tuple(_xla_matmul(x, v, n_in, precision, preferred_element_type, at) for v in weights)
+        return tuple(_xla_matmul(x, v, n_in, precision, preferred_element_type, a) for v, a in zip(weights, ats))
     K = math.prod(x.shape[x.ndim - n_in:])
     x_MK = x.reshape(rows, K).astype(jnp.float32)  # exact from 16 bits
-    at = 0 if at is None else at
+    at = tuple(0 if a is None else a for a in ats) if beside else (0 if ats[0] is None else ats[0])
     beside_LKN = tuple(b.reshape(b.shape[0], K, -1) for b in stacks[1:])
     if quantized:
         N = math.prod(values[0].shape[1 + n_in:])

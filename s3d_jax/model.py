@@ -107,9 +107,10 @@ def linear(module: nn.Module, name: str, x, layer, in_shape, out_shape, draft: b
     w = weight(module, name, (L, *in_shape), out_shape)
     update = None
     if c.draft_lora_rank and (draft or module.is_initializing()):
-        lora = DraftLoRA(c.draft_lora_rank, L, tuple(in_shape), tuple(out_shape), c.draft_jnp_dtype, c.precision, init_normal, slot_parts,
-                         slot_axis, name=f"{name}_lora")
-        y, update = lora(x, layer, w)
+        low, high = c.draft_skip  # the adapters' stacks hold the draft layers only, in order
+        lora = DraftLoRA(c.draft_lora_rank, L - (high - low + 1), tuple(in_shape), tuple(out_shape), c.draft_jnp_dtype, c.precision,
+                         init_normal, slot_parts, slot_axis, name=f"{name}_lora")
+        y, update = lora(x, layer, jnp.where(layer < low, layer, layer - (high - low + 1)), w)
     else:
         y = few_rows.matmul(x, w, len(in_shape), c.precision, at=layer)
     if bias:

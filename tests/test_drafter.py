@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 from reference import tiny_model
+from safetensors import safe_open
 
 import s3d_jax
 from s3d_jax import Model, drafter
@@ -24,7 +25,7 @@ SKIP, GAMMA, RANK = (2, 3), 3, 4
 def _trained(seed=0, rank=RANK):
     """A tiny base model and the same model with non-zero adapters and a moved mask row, as training leaves it."""
     base = tiny_model(seed=seed)
-    with_lora = tiny_model(seed=seed, draft_lora_rank=rank)
+    with_lora = tiny_model(seed=seed, draft_lora_rank=rank, draft_skip=SKIP)
     rng = np.random.default_rng(seed)
 
     def perturb(path, x):
@@ -62,14 +63,12 @@ def test_round_trip_restores_adapters_mask_row_and_defaults(tmp_path):
     applied = drafter.apply(base, path)
     assert (applied.config.draft_skip, applied.config.draft_gamma, applied.config.draft_vocab_size) == (SKIP, GAMMA, 40)
     got, want = traverse_util.flatten_dict(applied.params), traverse_util.flatten_dict(trained.params)
-    draft_layers = list(trained.config.draft_layers(SKIP))
-    skipped = [i for i in trained.config.all_layers if i not in draft_layers]
+    draft_layers = trained.config.draft_layers(SKIP)
     for key, value in want.items():
-        if "_lora" in "".join(key):  # a stack of adapters, one per layer, rounded to the decode type
+        if "_lora" in "".join(key):  # a stack of adapters, one per draft layer, rounded to the decode type
             assert got[key].dtype == jnp.dtype(drafter.DECODE_DTYPE) and value.dtype == jnp.float32
-            assert not np.any(np.asarray(got[key])[skipped]), "skipped layers carry no adapters"
-            rounded = np.asarray(value.astype(drafter.DECODE_DTYPE))[draft_layers]
-            np.testing.assert_array_equal(np.asarray(got[key])[draft_layers], rounded, err_msg=str(key))
+            assert got[key].shape[0] == len(draft_layers) < trained.config.num_layers, "the skipped layers have no entries"
+            np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(value.astype(drafter.DECODE_DTYPE)), err_msg=str(key))
         else:
             np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(value), err_msg=str(key))
     np.testing.assert_array_equal(np.asarray(applied.params["draft_vocab"]), np.sort(_ranking(base.config)[:40]))
@@ -198,6 +197,29 @@ def test_a_drafter_for_another_tokenizer_is_refused(tmp_path):
         drafter.apply(Model(base.params, base.config, OtherTokenizer()), path)
 
 
+def test_adapters_belong_to_the_layers_outside_their_skip_range(tmp_path):
+    """The adapters are stacked over the draft layers alone: drafting over other layers, a file with an
+    adapter of a skipped layer, or adapters without a skip range are refused by name."""
+    from safetensors.numpy import save_file
+
+    from s3d_jax.config import ConfigError
+
+    base, trained, path = _file(tmp_path)
+    applied = drafter.apply(base, path)
+    with pytest.raises(ValueError, match=r"outside its skip range \[2, 3\]: it drafts with that range, not \[1, 3\]"):
+        s3d_jax.decode(applied, [1, 2, 3], max_new_tokens=4, method="s3d", skip=(1, 3))
+    with pytest.raises(DrafterError, match=r"adapters belong to skip range \[2, 3\], not \[1, 2\]"):
+        drafter.extract(trained.params, trained.config, (1, 2), GAMMA)
+    with pytest.raises(ConfigError, match="draft_lora_rank needs draft_skip"):
+        base.config.replace(draft_lora_rank=4)
+    with safe_open(str(path), framework="np") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    moved = {k.replace("lora/layer_4/", "lora/layer_2/"): v for k, v in tensors.items()}  # layer 2 is skipped
+    save_file(moved, str(tmp_path / "moved.safetensors"), metadata=meta)
+    with pytest.raises(DrafterError, match=r"layer_2/.* outside its draft layers \(skip range \[2, 3\]\)"):
+        drafter.apply(base, tmp_path / "moved.safetensors")
+
+
 def test_a_ranking_holding_the_mask_id_is_refused():
     base = tiny_model()
     with pytest.raises(DrafterError, match="never produces"):
@@ -303,7 +325,7 @@ def test_a_format_1_file_s_separate_adapters_load_fused_with_the_same_products(t
         module = DraftLoRA(r, 1, (D,), out_shape, jnp.float32, "highest", init_normal, slot_parts, slot_axis)  # a stack of one
         params = {f: lora[("layer_0", "attn" if name == "qkv" else "mlp", f"{name}_lora", f)][None] for f in "ab"}
         projection = jnp.zeros((1, D, *out_shape), jnp.float32)  # the update alone is compared
-        return np.asarray(module.apply({"params": params}, x, 0, projection)[1])
+        return np.asarray(module.apply({"params": params}, x, 0, 0, projection)[1])
 
     qkv = fused("qkv", (K, G + 2, E), (0,) * G + (1, 2), 1)  # each KV head's query heads, then its key and value
     np.testing.assert_allclose(qkv[:, :, :G].reshape(2, H, E), part["q"], rtol=1e-5, atol=1e-5)

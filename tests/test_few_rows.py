@@ -102,16 +102,21 @@ def test_a_bfloat16_weight_stays_in_the_kernel_past_sixteen_rows():
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_products_beside_the_first_in_one_call_equal_each_alone(base, rows):
     """`matmuls` (a projection and its draft adapter's A factor): one kernel call whose results are
-    bit for bit each weight's `matmul` alone, at a layer of a stack, whatever the first weight's format."""
+    bit for bit each weight's `matmul` alone, at an entry of its own stack (an adapter's stack holds
+    the draft layers only), whatever the first weight's format; the XLA path alike."""
     L, K, N, R = 3, 64, 96, 40
     w = random((L, K, N), 11)
     w = quant.quantize(w, 2, int(base[3:])) if base.startswith("int") else w.astype(base)
-    a, a16 = random((L, K, R), 12), random((L, K, 8), 13).astype(jnp.bfloat16)
-    x, at = random((rows, K), 14), jnp.int32(2)
+    a, a16 = random((2, K, R), 12), random((5, K, 8), 13).astype(jnp.bfloat16)
+    x, at = random((rows, K), 14), (jnp.int32(2), jnp.int32(1), jnp.int32(4))
     together = jax.jit(lambda x, at: few_rows.matmuls(x, (w, a, a16), at=at))
     assert together.lower(x, at).as_text().count("custom_call") == 1
-    for got, weight in zip(together(x, at), (w, a, a16)):
-        assert np.array_equal(got, few_rows.matmul(x, weight, at=at))
+    for got, weight, entry in zip(together(x, at), (w, a, a16), at):
+        assert np.array_equal(got, few_rows.matmul(x, weight, at=entry))
+    with few_rows.switch(False):
+        for got, weight, entry in zip(jax.jit(lambda x, at: few_rows.matmuls(x, (w, a, a16), at=at))(x, at), (w, a, a16), at):
+            alone = few_rows.matmul(x, few_rows.entry(weight, entry))
+            assert np.array_equal(got, alone)
 
 
 def test_trailing_input_axes_and_leading_batch_axes():

@@ -38,7 +38,7 @@ def test_training_draft_pass_matches_inference(gamma, skip, lora, vocab):
     """For each anchor n, the training draft logits at depths 0..γ-1 equal `draft_s3d` run on the
     prefix `x_0 .. x_{n-1}` in the cache and the block `[x_n, <M> ...]` (with a reduced draft head:
     over its tokens, the only ones the inference draft scores)."""
-    model = tiny_model(seed=3, draft_lora_rank=lora)
+    model = tiny_model(seed=3, draft_lora_rank=lora, draft_skip=skip if lora else None)
     if vocab:
         ranking = np.random.default_rng(1).permutation(model.config.mask_token_id).astype(np.int32)
         params, config = with_draft_vocab(model.params, model.config, ranking, vocab)

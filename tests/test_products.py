@@ -56,7 +56,7 @@ def products(fn, *args, kernel: bool = False) -> int:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_plain_step_makes_one_product_per_fused_projection(family):
-    model = tiny_model(draft_lora_rank=4, **FAMILIES[family])
+    model = tiny_model(draft_lora_rank=4, draft_skip=SKIP, **FAMILIES[family])
     cache = KVCache.zeros(model.config, 1, 32)
     x_n = jnp.zeros((1,), jnp.int32)
     layers = model.config.num_layers
@@ -73,7 +73,7 @@ def test_a_plain_step_makes_one_product_per_fused_projection(family):
 def test_a_draft_layer_calls_the_kernel_twice_per_projection(dtype):
     """On a CPU each adapter's A factor is read in its projection's kernel call, so a draft layer's
     products are two calls per projection (the projection with A, then B), a plain step's one."""
-    model = tiny_model(draft_lora_rank=4, hidden_size=64, intermediate_size=96, num_heads=2, num_kv_heads=1, head_dim=32)
+    model = tiny_model(draft_lora_rank=4, draft_skip=SKIP, hidden_size=64, intermediate_size=96, num_heads=2, num_kv_heads=1, head_dim=32)
     if dtype != "float32":
         model = Model(quant.quantize_params(model.params, dtype), model.config.replace(dtype=dtype))
     cache = KVCache.zeros(model.config, 1, 32)

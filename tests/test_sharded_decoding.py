@@ -18,6 +18,7 @@ import pytest
 from s3d_jax import bundled, sharding
 from s3d_jax.config import ConfigError
 from s3d_jax.model import abstract_params
+from s3d_jax.options import default_skip
 from s3d_jax.shapes import shape_config
 
 HERE = Path(__file__).parent
@@ -111,7 +112,8 @@ def test_an_8b_model_is_split_into_equal_shares():
 def test_a_drafter_s_adapters_are_split_with_their_weights(shape, n, bound):
     """Rank-32 adapters: the factor on a weight's split axis splits with it (replicating the adapters
     would put SmolLM2 at 1.14x its share on 3 devices, Llama-3-8B at 1.03x on 4)."""
-    config = shape_config(shape).replace(draft_lora_rank=32)
+    config = shape_config(shape)
+    config = config.replace(draft_lora_rank=32, draft_skip=default_skip(config.num_layers))
     params = abstract_params(config)
     layout = sharding.decode_shardings(params, config, jax.sharding.AbstractMesh((1, n), ("data", "model")))
     specs = {jax.tree_util.keystr(path): s.spec for path, s in jax.tree_util.tree_leaves_with_path(layout)}

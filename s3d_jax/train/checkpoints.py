@@ -26,7 +26,7 @@ from s3d_jax.checkpoint import CheckpointError, Model
 from s3d_jax.config import QUANTIZED_DTYPES, ConfigError, ModelConfig
 from s3d_jax.model import cast_params, init_params
 from s3d_jax.objective import Objective
-from s3d_jax.train.config import model_config_from, resume_settings
+from s3d_jax.train.config import model_config_from, resume_settings, trained_config
 from s3d_jax.train.trainer import Trainer, TrainState
 
 
@@ -52,7 +52,7 @@ def load_base_model(cfg: ml_collections.ConfigDict) -> Model:
         raise ConfigError(f"data.max_len {cfg.data.max_len} exceeds the model's {model.config.max_position_embeddings} positions")
     # Master weights are float32 (or the frozen projections quantized); `train.compute_dtype` sets the
     # precision of the passes.
-    config = model.config.replace(dtype="float32", draft_lora_rank=cfg.s3d.lora_rank, draft_dtype=None)  # adapters train in float32
+    config = trained_config(cfg, model.config)
     if held:
         params = quant.quantize_params(model.params, held)
         # The vocabulary tables in float32: the mask token's row trains, and a quantized table has no row to train.

@@ -92,6 +92,13 @@ def model_config_from(cfg: ml_collections.ConfigDict) -> ModelConfig:
         raise ConfigError(f"config.model: {e}") from None
 
 
+def trained_config(cfg: ml_collections.ConfigDict, config: ModelConfig) -> ModelConfig:
+    """The model's config as training holds it: float32 master weights, and new adapters (float32,
+    over the draft layers of `s3d.skip`) where `s3d.lora_rank` asks for them."""
+    skip = validate_skip(tuple(cfg.s3d.skip), config.num_layers) if cfg.s3d.lora_rank else config.draft_skip
+    return config.replace(dtype="float32", draft_lora_rank=cfg.s3d.lora_rank, draft_dtype=None, draft_skip=skip)
+
+
 def objective_from(cfg: ml_collections.ConfigDict, num_layers: int) -> Objective:
     s = cfg.s3d
     return Objective(

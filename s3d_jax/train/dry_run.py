@@ -12,14 +12,14 @@ from s3d_jax import bundled, checkpoint
 from s3d_jax.config import COMPUTE_DTYPE, ModelConfig
 from s3d_jax.model import abstract_params
 from s3d_jax.sharding import spec_for
-from s3d_jax.train.config import model_config_from, validate
+from s3d_jax.train.config import model_config_from, trained_config, validate
 from s3d_jax.train.trainer import trainer_from
 
 
 def dry_run(cfg: ml_collections.ConfigDict) -> dict:
     """The model, its skip range, parameter counts, and memory per device in GiB by kind."""
     validate(cfg)
-    config = base_config(cfg).replace(dtype="float32", draft_lora_rank=cfg.s3d.lora_rank, draft_dtype=None)
+    config = trained_config(cfg, base_config(cfg))
     params = abstract_params(config)
     trainer, _ = trainer_from(cfg, config, params)
     opt_state = jax.eval_shape(trainer.optimizer.init, params)

@@ -37,8 +37,8 @@ def trainable_mask(params, config: ModelConfig, skip: tuple[int, int], train_hea
         name = jax.tree_util.keystr(path)
         if name.startswith("['draft_vocab']") or name.startswith("['draft_head']"):
             return False  # the reduced draft head is a copy of the head's columns
-        if "_lora" in name:
-            return of_draft_layers(x)
+        if "_lora" in name:  # stacked over the draft layers only
+            return True
         if name.startswith("['embed']"):
             if train_head and config.tie_embeddings and not lora:
                 return True
