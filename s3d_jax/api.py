@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import bundled, calibration, checkpoint, compile_cache, decoding, sharding
+from s3d_jax import bundled, calibration, checkpoint, compile_cache, cpu, decoding, sharding
 from s3d_jax import drafter as drafter_lib
 from s3d_jax.checkpoint import Model
 from s3d_jax.config import ConfigError, ModelConfig, validate_skip
@@ -412,7 +412,10 @@ def decode(params, prompt, options: DecodeOptions | None = None, *, config: Mode
     start = time.perf_counter()
     state = run.advance(run.start(), np.iinfo(np.int32).max)
     jax.block_until_ready(state.tokens)
-    return _output(model, run, state, batched, time.perf_counter() - start)
+    output = _output(model, run, state, batched, time.perf_counter() - start)
+    del state
+    cpu.release_freed_memory()  # the decode's buffers, freed: decodes of other shapes would each leave their pages
+    return output
 
 
 def stream(
@@ -436,4 +439,7 @@ def _stream(model: Model, run: decoding.Run, batched: bool, chunk_iterations: in
         if bool(jnp.all(state.done)):
             break
         yield _collect(state, run)
-    yield _output(model, run, state, batched, time.perf_counter() - start)
+    output = _output(model, run, state, batched, time.perf_counter() - start)
+    del state
+    cpu.release_freed_memory()
+    yield output

@@ -1,4 +1,5 @@
-"""What the CPU backend needs from the process, in one place; `decoding.compiled` is its one caller.
+"""What the CPU backend needs from the process, in one place: for `decoding.compiled`, and the heap
+trim after each decode (`api.decode`, `api.stream`).
 
 - Compiler options for passes of a few tokens per row: XLA's CPU backend hands dots to the YNNPACK
   library by default, whose kernels are the faster ones for training's products of thousands of rows,
@@ -7,7 +8,7 @@
   same speed.
 - Freed heap handed back to the OS: XLA's CPU compiler and a checkpoint's load free most of what
   they allocate, but glibc keeps those pages; without `malloc_trim` the compiled S3D loop held about
-  200 MiB of freed heap (docs/cpu.md).
+  200 MiB of freed heap, and ten turns of a benchmark in several prompt buckets 40 MiB (docs/cpu.md).
 """
 
 from __future__ import annotations
