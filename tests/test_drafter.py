@@ -220,6 +220,21 @@ def test_adapters_belong_to_the_layers_outside_their_skip_range(tmp_path):
         drafter.apply(base, tmp_path / "moved.safetensors")
 
 
+def test_reusing_the_base_sets_the_mask_row_in_its_table_once_nothing_can_fail(tmp_path):
+    """`reuse_base` (what `s3d_jax.load` passes): the same model as a copy would give, the base's table
+    spent; a drafter refused leaves the base whole."""
+    base, _, path = _file(tmp_path, draft_vocab_size=40)
+    copied = drafter.apply(base, path)
+    spent = tiny_model(seed=0)
+    with pytest.raises(DrafterError, match="larger than"):
+        drafter.apply(spent, path, draft_vocab_size=10_000, reuse_base=True)
+    assert not spent.params["embed"].is_deleted()
+    reused = drafter.apply(spent, path, reuse_base=True)
+    assert spent.params["embed"].is_deleted()
+    for (key, got), want in zip(traverse_util.flatten_dict(reused.params).items(), traverse_util.flatten_dict(copied.params).values()):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(key))
+
+
 def test_a_ranking_holding_the_mask_id_is_refused():
     base = tiny_model()
     with pytest.raises(DrafterError, match="never produces"):
