@@ -25,7 +25,7 @@ class DraftLoRA(nn.Module):
     A is read in the projection's own kernel call (`few_rows.matmuls`): 60 fewer calls per draft."""
 
     rank: int
-    layers: int  # a stack of adapters, one per draft layer (`model.adapter_entry`), of which a call reads entry `entry`
+    layers: int  # a stack of adapters, one per draft layer (`model.linear`), of which a call reads entry `entry`
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     dtype: jnp.dtype

@@ -53,8 +53,9 @@ def enable(path: str | os.PathLike | None = None) -> Path | None:
 def keeping_every_compile():
     """Inside (a `with` block or a decorated function), a compile is written to the cache however quick
     it was: for the few computations that every load runs once (a drafter's mask row, its draft head),
-    so that a warm process compiles nothing. A compile, even a tiny one, brings some 24 MiB of the compiler's own code into memory,
-    which decoding from the cache never touches (docs/cpu.md, "Memory: the compile and the persistent cache")."""
+    so that a warm process compiles nothing. A compile, even a tiny one, brings some 24 MiB of the
+    compiler's own code into memory, which decoding from the cache never touches (docs/cpu.md,
+    "Memory: applying a drafter")."""
     before = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     try:

@@ -258,8 +258,9 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
             raise DrafterError(f"the drafter {where} has an adapter {'/'.join(k)} of shape {v.shape} that the model does not "
                                f"(expected {None if stack is None else stack.shape[1:]})")
     for key, stack in stacks.items():  # one stack at a time; an adapter the file lacks is zero
-        entries = [drafter.lora.get((layer, *key[1:]), np.zeros(stack.shape[1:])) for layer in layers]
-        flat[key] = jax.device_put(np.stack([entry.astype(stack.dtype) for entry in entries]))
+        entries = [drafter.lora.get((layer, *key[1:])) for layer in layers]
+        zero = np.zeros(stack.shape[1:], stack.dtype)
+        flat[key] = jax.device_put(np.stack([zero if e is None else e.astype(stack.dtype) for e in entries]))
     size = drafter.draft_vocab_size if draft_vocab_size is None else check_int("draft_vocab_size", draft_vocab_size, 0)
     params, config = with_draft_vocab(traverse_util.unflatten_dict(flat), config, drafter.ranking, size)  # the mask is not drafted
     check_params(params, config)

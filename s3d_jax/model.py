@@ -108,9 +108,10 @@ def linear(module: nn.Module, name: str, x, layer, in_shape, out_shape, draft: b
     update = None
     if c.draft_lora_rank and (draft or module.is_initializing()):
         low, high = c.draft_skip  # the adapters' stacks hold the draft layers only, in order
-        lora = DraftLoRA(c.draft_lora_rank, L - (high - low + 1), tuple(in_shape), tuple(out_shape), c.draft_jnp_dtype, c.precision,
+        skipped = high - low + 1
+        lora = DraftLoRA(c.draft_lora_rank, L - skipped, tuple(in_shape), tuple(out_shape), c.draft_jnp_dtype, c.precision,
                          init_normal, slot_parts, slot_axis, name=f"{name}_lora")
-        y, update = lora(x, layer, jnp.where(layer < low, layer, layer - (high - low + 1)), w)
+        y, update = lora(x, layer, jnp.where(layer < low, layer, layer - skipped), w)
     else:
         y = few_rows.matmul(x, w, len(in_shape), c.precision, at=layer)
     if bias:
