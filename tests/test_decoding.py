@@ -255,6 +255,17 @@ def test_speculative_sampling_is_lossless(method, sampling):
 # ------------------------------------------------------------------ compilation
 
 
+def test_prompt_buckets_pad_by_less_than_a_quarter_octave():
+    """A prompt pads to at most its power-of-two bucket, and past 128 tokens to within a quarter of
+    that octave: the prompt pass costs each padded token as much as a real one."""
+    for n in range(1, 5000):
+        padded = api.prompt_bucket(n)
+        assert n <= padded <= api.bucket(n)
+        assert padded - n < max(api.bucket(n) // 8, api.PROMPT_STEP_MIN)
+    assert api.prompt_bucket(260) == 320 and api.prompt_bucket(16) == 16
+    assert len({api.prompt_bucket(n) for n in range(257, 513)}) == api.PROMPT_STEPS
+
+
 def test_one_compile_per_bucket(model):
     opts = dict(method="s3d", gamma=3, skip=(2, 3), max_new_tokens=16, eos_token_ids=())
     s3d_jax.decode(model, random_prompts([5], seed=1)[0], **opts)
