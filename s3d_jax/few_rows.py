@@ -57,6 +57,7 @@ TARGET_INT8 = "s3d_few_row_matmul_int8"
 TARGET_INT4 = "s3d_few_row_matmul_int4"
 TARGET_CACHE_ATTENTION = "s3d_cache_attention"
 TARGET_CONTEXT_LOGITS = "s3d_context_logits"
+TARGET_TABLE_COLUMNS = "s3d_table_columns"
 MAX_ROWS = 16  # beyond this (prefill, training) XLA's dot is the faster one
 # A 16-bit or quantized weight's products stay in the kernel longer: XLA's CPU dot widens the whole
 # weight to float32 first, and in a loop (the decode loop, a calibration's timing) it hoisted that
@@ -191,7 +192,7 @@ def _load(path: Path) -> dict:
     library = ctypes.cdll.LoadLibrary(str(path))
     handlers = {TARGET: library.S3dFewRowMatmul, TARGET_INT8: library.S3dFewRowMatmulInt8,  # AttributeError: not our library
                 TARGET_INT4: library.S3dFewRowMatmulInt4, TARGET_CACHE_ATTENTION: library.S3dCacheAttention,
-                TARGET_CONTEXT_LOGITS: library.S3dContextLogits}
+                TARGET_CONTEXT_LOGITS: library.S3dContextLogits, TARGET_TABLE_COLUMNS: library.S3dTableColumns}
     configure = library.S3dFewRowConfigure
     configure.argtypes = [ctypes.c_int64, ctypes.c_int64]
     configure(threads(), spin_microseconds())
@@ -408,8 +409,32 @@ def column_logits(hidden_BTD, table_DV, ids_BL, counts_B, precision=None):
             hidden_BTD, table_DV, ids_BL.astype(jnp.int32), counts_B.astype(jnp.int32))
     vocab = (table_DV["values"] if quant.is_quantized(table_DV) else table_DV).shape[1]
     ids_BL = jnp.clip(ids_BL, 0, vocab - 1)  # ids outside the table: scored as its last, and dropped by the caller
-    return jnp.einsum("btd,dbl->btl", hidden_BTD, quant.columns(table_DV, ids_BL), preferred_element_type=jnp.float32,
+    return jnp.einsum("btd,dbl->btl", hidden_BTD, columns(table_DV, ids_BL), preferred_element_type=jnp.float32,
                       precision=precision)
+
+
+def columns(table_DV, ids):
+    """Columns `ids` (any shape) of a vocabulary table `[D, V]` as float32 `[D, *ids.shape]`: token
+    embeddings (`quant.columns`). A 16-bit table's columns come from the kernel where it applies:
+    XLA's CPU widened the whole table before its gather and hoisted that out of the decode loop, a
+    float32 copy of the table (113 MB for SmolLM2) held for as long as the loop ran (docs/cpu.md,
+    "bfloat16")."""
+    dtype = getattr(table_DV, "dtype", None)
+    if dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu" and jax.device_count() == 1 and available():
+        return _table_columns(table_DV, ids.astype(jnp.int32))
+    return quant.columns(table_DV, ids).astype(jnp.float32)
+
+
+@jax.custom_jvp
+def _table_columns(table_DV, ids):
+    out = jax.ShapeDtypeStruct((table_DV.shape[0], *ids.shape), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_TABLE_COLUMNS, out, vmap_method="sequential")(table_DV, ids)
+
+
+@_table_columns.defjvp
+def _table_columns_jvp(primals, tangents):  # linear in the table (a drafter's trained mask row)
+    (table, ids), (dtable, _) = primals, tangents
+    return _table_columns(table, ids), jnp.take(dtable, ids, axis=1).astype(jnp.float32)
 
 
 MAX_ATTENTION_TOKENS = 64  # a decode pass's block, at most: a prefill's attention stays with XLA

@@ -286,7 +286,7 @@ class Transformer(nn.Module):
         positions `context_positions_BS` (for sliding windows). `draft` applies the draft-only
         adapters, if the model has them.
         """
-        x_BTD = jnp.moveaxis(quant.columns(self.embedding, tokens_BT), 0, -1).astype(COMPUTE_DTYPE)
+        x_BTD = jnp.moveaxis(few_rows.columns(self.embedding, tokens_BT), 0, -1).astype(COMPUTE_DTYPE)
         if self.config.scale_embeddings:  # by sqrt(D) rounded to the weights' dtype, as transformers does
             x_BTD = x_BTD * jnp.asarray(np.float32(self.config.hidden_size**0.5)).astype(self.config.jnp_dtype)
         inputs = (positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft)

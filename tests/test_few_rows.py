@@ -339,3 +339,48 @@ def test_column_logits_read_each_rows_first_count_ids_and_equal_the_gathered_pro
     # A row's logits are bit for bit the same alone and beside other rows with other counts.
     alone = few_rows.column_logits(hidden[2:3, :1], jnp.asarray(table), jnp.asarray(ids[2:3]), jnp.asarray(counts[2:3]))
     assert np.array_equal(np.asarray(alone)[0, 0], got[2, 0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_16_bit_tables_columns_equal_xlas_gather(dtype):
+    """Token embeddings of a 16-bit table come from the kernel (`few_rows.columns`): the same float32
+    values as XLA's gather, NaN for an id outside the table as XLA gives, and XLA's gradient."""
+    table = random((64, 300), 6).astype(dtype)
+    ids = jnp.asarray([[0, 299, 7, 7], [300, -302, -1, 5]], jnp.int32)
+    assert few_rows.TARGET_TABLE_COLUMNS in jax.jit(few_rows.columns).lower(table, ids).as_text()
+    got = np.asarray(jax.jit(few_rows.columns)(table, ids))
+    want = np.asarray(jnp.take(table, ids, axis=1).astype(jnp.float32))
+    assert got.shape == (64, 2, 4) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(got[:, 1, :2]).all() and not np.isnan(got[:, 0]).any()
+
+    def loss(t):
+        return jnp.sum(few_rows.columns(t, ids[:1]) ** 2)
+
+    np.testing.assert_array_equal(np.asarray(jax.grad(loss)(table)),
+                                  np.asarray(jax.grad(lambda t: jnp.sum(jnp.take(t, ids[:1], axis=1).astype(jnp.float32) ** 2))(table)))
+
+
+@needs_kernel
+def test_a_bfloat16_decode_loop_holds_no_float32_copy_of_the_vocabulary_table():
+    """XLA's CPU widened a bfloat16 table before its gather and hoisted that out of the decode loop:
+    with the embedding and the draft head's context columns from the kernel, no float32 table is left."""
+    from reference import tiny_model
+
+    from s3d_jax import api
+    from s3d_jax.checkpoint import Model
+    from s3d_jax.model import cast_params, default_draft_vocab, draft_head_table
+
+    base = tiny_model(draft_lora_rank=4, draft_skip=(2, 3), vocab_size=301)
+    config = base.config.replace(dtype="bfloat16", draft_vocab_size=64)  # a reduced draft head, which scores context columns
+    params = {**cast_params(base.params, "bfloat16"), "draft_vocab": default_draft_vocab(config)}
+    params["draft_head"] = draft_head_table(params["embed"], params["draft_vocab"], config)
+    model = Model(params, config)
+    _, run, _ = api.prepare(model, [4, 5, 6], method="s3d", gamma=3, skip=(2, 3), tree=4, lookup=True, min_certainty=0.0,
+                                    max_new_tokens=8, max_len=128)
+    run.compile()
+    table = f"[{model.config.hidden_size},{model.params['embed'].shape[1]}]"
+    for executable in run._executables:
+        widened = [line for line in executable.as_text().splitlines() if f"f32{table}" in line]
+        assert not widened, widened[:2]
