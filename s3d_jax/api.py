@@ -19,7 +19,7 @@ from s3d_jax.checkpoint import Model
 from s3d_jax.config import ConfigError, ModelConfig, validate_skip
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
 from s3d_jax.model import full_pass, lm_logits
-from s3d_jax.options import DEFAULT_GAMMA, DEFAULT_MIN_CERTAINTY, DecodeOptions, check_int, default_skip
+from s3d_jax.options import DEFAULT_GAMMA, DEFAULT_MIN_CERTAINTY, DecodeOptions, bucket, check_int, default_skip, prompt_bucket
 from s3d_jax.sampling import Sampling
 from s3d_jax.speculative import Plan
 from s3d_jax.speedup import NEVER, Policy
@@ -109,25 +109,6 @@ def logits(model: Model, token_ids) -> jax.Array:
 
 
 # ---------------------------------------------------------------- decoding
-
-
-def bucket(n: int, minimum: int = 16) -> int:
-    """Pads lengths to powers of two so that a new length seldom compiles again."""
-    return max(minimum, 1 << (n - 1).bit_length())
-
-
-PROMPT_STEPS = 4  # prompt buckets per doubling of length, past the first few
-PROMPT_STEP_MIN = 32  # the finest step between prompt buckets, in tokens
-
-
-def prompt_bucket(n: int) -> int:
-    """A prompt's padded length: `bucket(n)`, or the next of `PROMPT_STEPS` steps in its octave (at
-    least `PROMPT_STEP_MIN` apart). The prompt pass costs each padded token as much as a real one,
-    and only it compiles per prompt bucket (in about a second; the loop's state is sized by the cache).
-    A 260-token prompt runs as 320 tokens rather than 512 (docs/cpu.md, "Prompt buckets")."""
-    top = bucket(n)
-    step = max(top // (2 * PROMPT_STEPS), PROMPT_STEP_MIN)
-    return min(top, -(-n // step) * step)
 
 
 @dataclasses.dataclass

@@ -1,5 +1,6 @@
-// y = x @ w for a few rows of x (a decode pass: 1 to 16 tokens) against a large row-major weight, and
-// a pass's attention over the KV cache (`CacheScores`, `CacheValues`, at the end), as XLA FFI
+// y = x @ w for a few rows of x (a decode pass: 1 to 16 tokens) against a large row-major weight,
+// a pass's attention over the KV cache (`CacheScores`, `CacheValues`, at the end), the draft head's
+// context columns (`ContextLogits`) and a 16-bit table's token columns (`TableColumns`), as XLA FFI
 // handlers for the CPU (s3d_jax/few_rows.py builds and registers them). The weight is float32,
 // bfloat16, float16, int8 in groups of 32 rows with one float32 scale per group and column (GGUF's
 // Q8_0), or int4 in such groups with a float16 scale and minimum (GGUF's Q4_1; s3d_jax/quant.py has

@@ -16,8 +16,7 @@ a quantized weight dequantized first. It is differentiable.
 
 `cache_attention` is a decode pass's attention over the KV cache and its own block in one call,
 reading each row's slots below its cached length only, where XLA's dot reads every allocated slot
-(`model.Prefix`), and `column_logits` scores only a row's live context ids; `float32_handlers_apply`
-says when these apply. Settings (docs/cpu.md):
+(`model.Prefix`); the kernel's lookups in a vocabulary table are `tables`'. Settings (docs/cpu.md):
 - `S3D_JAX_FEW_ROW_KERNEL`: `0`/`false`/`no`/`off` keeps every product and the attention on XLA's dot. It is read
   when a function is traced; the decode engine's caches key on it (`switch`).
 - `S3D_JAX_FEW_ROW_THREADS`: the threads sharing a product, read once per process; by default the
@@ -226,10 +225,13 @@ def applies(rows: int, x_dtype, w_dtype) -> bool:
         0 < rows <= (MAX_ROWS if w_dtype == jnp.float32 else MAX_NARROW_ROWS)
         and x_dtype in INPUT_DTYPES
         and w_dtype in WEIGHT_DTYPES
-        and jax.default_backend() == "cpu"
-        and jax.device_count() == 1  # sharded products stay with XLA's partitioner
+        and on_one_cpu()
         and available()
     )
+
+
+def on_one_cpu() -> bool:
+    return jax.default_backend() == "cpu" and jax.device_count() == 1  # sharded products stay with XLA's partitioner
 
 
 def entry(stack, at):
@@ -392,49 +394,7 @@ def float32_handlers_apply(*dtypes) -> bool:
     """Whether the kernel's float32-only handlers apply to operands of these dtypes (decided when
     tracing): a decode pass's attention over each row's live cache slots (`cache_attention`) and the
     draft head's live context columns (`column_logits`)."""
-    return (all(d == jnp.float32 for d in dtypes) and jax.default_backend() == "cpu" and jax.device_count() == 1
-            and available())
-
-
-def column_logits(hidden_BTD, table_DV, ids_BL, counts_B, precision=None):
-    """`[B, T, L]`: each row's hidden states against the columns of a vocabulary table `[D, V]` at its
-    own ids, for the first `counts[b]` ids of row b that lie inside the table; the others may hold
-    anything, and the caller drops them. The kernel, where it applies (a float32 table), reads only
-    those ids' columns, each distinct id's once, and sets the others to 0; XLA gathers every id's
-    column first, a cost that grows with L (the draft head's context is the whole token buffer,
-    `docs/cpu.md`, "The loop's own operations")."""
-    if float32_handlers_apply(hidden_BTD.dtype, getattr(table_DV, "dtype", None)):
-        out = jax.ShapeDtypeStruct((*hidden_BTD.shape[:2], ids_BL.shape[1]), jnp.float32)
-        return jax.ffi.ffi_call(TARGET_CONTEXT_LOGITS, out, vmap_method="sequential")(
-            hidden_BTD, table_DV, ids_BL.astype(jnp.int32), counts_B.astype(jnp.int32))
-    vocab = (table_DV["values"] if quant.is_quantized(table_DV) else table_DV).shape[1]
-    ids_BL = jnp.clip(ids_BL, 0, vocab - 1)  # ids outside the table: scored as its last, and dropped by the caller
-    return jnp.einsum("btd,dbl->btl", hidden_BTD, columns(table_DV, ids_BL), preferred_element_type=jnp.float32,
-                      precision=precision)
-
-
-def columns(table_DV, ids):
-    """Columns `ids` (any shape) of a vocabulary table `[D, V]` as float32 `[D, *ids.shape]`: token
-    embeddings (`quant.columns`). A 16-bit table's columns come from the kernel where it applies:
-    XLA's CPU widened the whole table before its gather and hoisted that out of the decode loop, a
-    float32 copy of the table (113 MB for SmolLM2) held for as long as the loop ran (docs/cpu.md,
-    "bfloat16")."""
-    dtype = getattr(table_DV, "dtype", None)
-    if dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu" and jax.device_count() == 1 and available():
-        return _table_columns(table_DV, ids.astype(jnp.int32))
-    return quant.columns(table_DV, ids).astype(jnp.float32)
-
-
-@jax.custom_jvp
-def _table_columns(table_DV, ids):
-    out = jax.ShapeDtypeStruct((table_DV.shape[0], *ids.shape), jnp.float32)
-    return jax.ffi.ffi_call(TARGET_TABLE_COLUMNS, out, vmap_method="sequential")(table_DV, ids)
-
-
-@_table_columns.defjvp
-def _table_columns_jvp(primals, tangents):  # linear in the table (a drafter's trained mask row)
-    (table, ids), (dtable, _) = primals, tangents
-    return _table_columns(table, ids), jnp.take(dtable, ids, axis=1).astype(jnp.float32)
+    return all(d == jnp.float32 for d in dtypes) and on_one_cpu() and available()
 
 
 MAX_ATTENTION_TOKENS = 64  # a decode pass's block, at most: a prefill's attention stays with XLA

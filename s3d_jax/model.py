@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import few_rows, quant
+from s3d_jax import few_rows, quant, tables
 from s3d_jax.adapters import DraftLoRA
 from s3d_jax.config import COMPUTE_DTYPE, ModelConfig
 from s3d_jax.positions import layer_frequencies, rope, window_mask
@@ -286,7 +286,7 @@ class Transformer(nn.Module):
         positions `context_positions_BS` (for sliding windows). `draft` applies the draft-only
         adapters, if the model has them.
         """
-        x_BTD = jnp.moveaxis(few_rows.columns(self.embedding, tokens_BT), 0, -1).astype(COMPUTE_DTYPE)
+        x_BTD = jnp.moveaxis(tables.columns(self.embedding, tokens_BT), 0, -1).astype(COMPUTE_DTYPE)
         if self.config.scale_embeddings:  # by sqrt(D) rounded to the weights' dtype, as transformers does
             x_BTD = x_BTD * jnp.asarray(np.float32(self.config.hidden_size**0.5)).astype(self.config.jnp_dtype)
         inputs = (positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft)
@@ -310,7 +310,7 @@ class Transformer(nn.Module):
 
     def context_logits(self, hidden_BTD, ids_BL, counts_B):
         """Float32 logits of each row at its first `counts[b]` token ids `ids_BL`, `[B, T, L]` (the rest: any value)."""
-        return few_rows.column_logits(hidden_BTD, self.head(), ids_BL, counts_B, self.config.precision)
+        return tables.column_logits(hidden_BTD, self.head(), ids_BL, counts_B, self.config.precision)
 
     def reduced_logits(self, hidden_BTD):
         """Float32 logits over the draft vocabulary only, `[B, T, draft_vocab_size]`."""

@@ -1,5 +1,6 @@
 """What a decode request asks for: `DecodeOptions`, shared by `decode`, `stream`, the CLI and the
-benchmarks. Plain Python (no JAX), so a benchmark's parent process can build one cheaply."""
+benchmarks, and the buckets its prompt and cache are padded to. Plain Python (no JAX), so a
+benchmark's parent process can build one cheaply."""
 
 from __future__ import annotations
 
@@ -19,6 +20,25 @@ DEFAULT_GAMMA = 4
 DEFAULT_MIN_CERTAINTY = 0.9
 MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: sampling divides float32 logits by it
 SEED_LIMIT = 2**32  # jax.random.key keeps only a seed's low 32 bits (without jax_enable_x64): 2**32 would equal 0
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Pads lengths to powers of two so that a new length seldom compiles again."""
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+PROMPT_STEPS = 4  # prompt buckets per doubling of length, past the first few
+PROMPT_STEP_MIN = 32  # the finest step between prompt buckets, in tokens
+
+
+def prompt_bucket(n: int) -> int:
+    """A prompt's padded length: `bucket(n)`, or the next of `PROMPT_STEPS` steps in its octave (at
+    least `PROMPT_STEP_MIN` apart). The prompt pass costs each padded token as much as a real one,
+    and only it compiles per prompt bucket (in about a second; the loop's state is sized by the cache).
+    A 260-token prompt runs as 320 tokens rather than 512 (docs/cpu.md, "Prompt buckets")."""
+    top = bucket(n)
+    step = max(top // (2 * PROMPT_STEPS), PROMPT_STEP_MIN)
+    return min(top, -(-n // step) * step)
 
 
 @dataclasses.dataclass(frozen=True)

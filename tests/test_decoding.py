@@ -14,6 +14,7 @@ import s3d_jax
 from s3d_jax import api, cpu, decoding, few_rows
 from s3d_jax.cache import KVCache, cached_forward
 from s3d_jax.model import cast_params, lm_logits
+from s3d_jax.options import PROMPT_STEP_MIN, PROMPT_STEPS, bucket, prompt_bucket
 from s3d_jax.speculative import Plan, draft_s3d
 
 
@@ -259,11 +260,11 @@ def test_prompt_buckets_pad_by_less_than_a_quarter_octave():
     """A prompt pads to at most its power-of-two bucket, and past 128 tokens to within a quarter of
     that octave: the prompt pass costs each padded token as much as a real one."""
     for n in range(1, 5000):
-        padded = api.prompt_bucket(n)
-        assert n <= padded <= api.bucket(n)
-        assert padded - n < max(api.bucket(n) // 8, api.PROMPT_STEP_MIN)
-    assert api.prompt_bucket(260) == 320 and api.prompt_bucket(16) == 16
-    assert len({api.prompt_bucket(n) for n in range(257, 513)}) == api.PROMPT_STEPS
+        padded = prompt_bucket(n)
+        assert n <= padded <= bucket(n)
+        assert padded - n < max(bucket(n) // 8, PROMPT_STEP_MIN)
+    assert prompt_bucket(260) == 320 and prompt_bucket(16) == 16
+    assert len({prompt_bucket(n) for n in range(257, 513)}) == PROMPT_STEPS
 
 
 def test_one_compile_per_bucket(model):

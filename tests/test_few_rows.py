@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s3d_jax import few_rows, quant
+from s3d_jax import few_rows, quant, tables
 
 needs_kernel = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None or os.environ.get(few_rows.ENV_SWITCH, "1").lower() in ("0", "false", "no", "off"),
@@ -332,31 +332,31 @@ def test_column_logits_read_each_rows_first_count_ids_and_equal_the_gathered_pro
     live = np.arange(L)[None, :] < counts[:, None]
     ids = np.where(live, ids, V - 1)
     hidden = random((B, T, D), 2)
-    got = np.asarray(jax.jit(few_rows.column_logits)(hidden, jnp.asarray(table), jnp.asarray(ids), jnp.asarray(counts)))
+    got = np.asarray(jax.jit(tables.column_logits)(hidden, jnp.asarray(table), jnp.asarray(ids), jnp.asarray(counts)))
     exact = np.einsum("btd,dbl->btl", np.asarray(hidden, np.float64), np.nan_to_num(table.astype(np.float64))[:, np.clip(ids, 0, V - 1)])
     scored = live & ~outside
     np.testing.assert_allclose(got, np.where(scored[:, None, :], exact, 0), rtol=0, atol=2e-6 * np.abs(exact).max())
     # A row's logits are bit for bit the same alone and beside other rows with other counts.
-    alone = few_rows.column_logits(hidden[2:3, :1], jnp.asarray(table), jnp.asarray(ids[2:3]), jnp.asarray(counts[2:3]))
+    alone = tables.column_logits(hidden[2:3, :1], jnp.asarray(table), jnp.asarray(ids[2:3]), jnp.asarray(counts[2:3]))
     assert np.array_equal(np.asarray(alone)[0, 0], got[2, 0])
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_a_16_bit_tables_columns_equal_xlas_gather(dtype):
-    """Token embeddings of a 16-bit table come from the kernel (`few_rows.columns`): the same float32
+    """Token embeddings of a 16-bit table come from the kernel (`tables.columns`): the same float32
     values as XLA's gather, NaN for an id outside the table as XLA gives, and XLA's gradient."""
     table = random((64, 300), 6).astype(dtype)
     ids = jnp.asarray([[0, 299, 7, 7], [300, -302, -1, 5]], jnp.int32)
-    assert few_rows.TARGET_TABLE_COLUMNS in jax.jit(few_rows.columns).lower(table, ids).as_text()
-    got = np.asarray(jax.jit(few_rows.columns)(table, ids))
+    assert few_rows.TARGET_TABLE_COLUMNS in jax.jit(tables.columns).lower(table, ids).as_text()
+    got = np.asarray(jax.jit(tables.columns)(table, ids))
     want = np.asarray(jnp.take(table, ids, axis=1).astype(jnp.float32))
     assert got.shape == (64, 2, 4) and got.dtype == np.float32
     np.testing.assert_array_equal(got, want)
     assert np.isnan(got[:, 1, :2]).all() and not np.isnan(got[:, 0]).any()
 
     def loss(t):
-        return jnp.sum(few_rows.columns(t, ids[:1]) ** 2)
+        return jnp.sum(tables.columns(t, ids[:1]) ** 2)
 
     np.testing.assert_array_equal(np.asarray(jax.grad(loss)(table)),
                                   np.asarray(jax.grad(lambda t: jnp.sum(jnp.take(t, ids[:1], axis=1).astype(jnp.float32) ** 2))(table)))
