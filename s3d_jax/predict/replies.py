@@ -13,7 +13,7 @@ from s3d_jax.bench.suites import load_suite
 from s3d_jax.cache import prompt_forward
 from s3d_jax.decoding import top_probability
 from s3d_jax.model import head_logits
-from s3d_jax.options import DecodeOptions
+from s3d_jax.options import DecodeOptions, bucket
 from s3d_jax.speculative import Plan, draft, draft_s3d
 
 
@@ -67,9 +67,9 @@ def draft_ranks(model, replies, gamma: int) -> list[np.ndarray]:
 def bucketed(ids: list[int], positions: np.ndarray, room: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """`ids` zero-padded to a bucket with at least `room` slots past the end, and `positions` repeated
     to a bucket: a jitted pass over them compiles once per pair of buckets."""
-    padded_ids = np.zeros(api.bucket(len(ids) + room), np.int32)
+    padded_ids = np.zeros(bucket(len(ids) + room), np.int32)
     padded_ids[: len(ids)] = ids
-    return padded_ids, np.resize(positions, api.bucket(len(positions)))
+    return padded_ids, np.resize(positions, bucket(len(positions)))
 
 
 def iteration_outcomes(model, replies, plan: Plan) -> list[dict]:

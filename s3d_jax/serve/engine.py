@@ -29,7 +29,7 @@ import numpy as np
 
 from s3d_jax import api, decoding, sharding
 from s3d_jax.checkpoint import Model
-from s3d_jax.options import DecodeOptions
+from s3d_jax.options import DecodeOptions, bucket
 from s3d_jax.sampling import Sampling
 from s3d_jax.speculative import Plan
 
@@ -146,13 +146,13 @@ class Lane:
         self.iteration = 0
 
     def _run(self, prompts, max_new_tokens: int, seed: int, max_len: int) -> decoding.Run:
-        padded = np.zeros((len(prompts), min(api.bucket(prompts.shape[1] + 1), max_len)), np.int32)  # and the first token
+        padded = np.zeros((len(prompts), min(bucket(prompts.shape[1] + 1), max_len)), np.int32)  # and the first token
         padded[:, : prompts.shape[1]] = prompts
         return decoding.Run(self.model.params, self.model.config, self.plan, padded, np.full(len(prompts), prompts.shape[1]),
                             max_new_tokens, self.eos_ids, seed, max_len)
 
     def capacity_for(self, positions: int) -> int:
-        return min(self.max_len, max(MIN_CAPACITY, api.bucket(positions)))
+        return min(self.max_len, max(MIN_CAPACITY, bucket(positions)))
 
     def positions(self, request: Request) -> int:
         """The cache positions a request may reach: its prompt, its reply and one draft block past it."""
@@ -172,7 +172,7 @@ class Lane:
         while length < self.max_len:
             executable, _ = self._prefill_run(np.zeros((1, length), np.int64), max_new_tokens=1, seed=0)._prefill_executable()
             rows.append(executable.out_info)
-            length = api.bucket(length) + 1
+            length = bucket(length) + 1
         states = []
         for capacity in sorted({self.capacity_for(1 << n) for n in range(self.max_len.bit_length() + 1)}):
             run = dataclasses.replace(self.run, max_len=capacity, _executables=None)
@@ -190,7 +190,7 @@ class Lane:
     def _prefill_run(self, prompts, max_new_tokens: int, seed: int) -> decoding.Run:
         """A prompt's prefill, with a cache just large enough for the prompt and its first token: as wide
         as the padded prompt, so that each bucket compiles one prefill (`insert` fits it to the lane's)."""
-        return self._run(prompts, max_new_tokens, seed, max_len=min(api.bucket(prompts.shape[1] + 1), self.max_len))
+        return self._run(prompts, max_new_tokens, seed, max_len=min(bucket(prompts.shape[1] + 1), self.max_len))
 
     @property
     def active(self) -> list[int]:
