@@ -902,31 +902,30 @@ ffi::Error ContextLogits(ffi::Buffer<ffi::F32> hidden, ffi::Buffer<ffi::F32> hea
 }
 
 // Columns `ids` of a 16-bit vocabulary table [D, V] as float32 [D, N] (a bfloat16 or float16 model's
-// token embeddings); a negative id counts from the end and one outside the table gives NaN, as
-// `jnp.take` does. XLA's CPU widens the
-// whole table before its gather and, in the decode loop, hoists that widening out of the loop: a
-// float32 copy of the table held for as long as the loop runs.
+// token embeddings), widened by the weights' readers; a negative id counts from the end and one
+// outside the table gives NaN, as `jnp.take` does. XLA's CPU widens the whole table before its
+// gather and, in the decode loop, hoists that widening out of the loop: a float32 copy of the table
+// held for as long as the loop runs.
+template <typename W>
+void CopyColumns(const W& table, const int32_t* ids, int64_t D, int64_t N, float* y) {
+  const int64_t V = table.N;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t id = ids[n] < 0 ? int64_t{ids[n]} + V : ids[n];
+    for (int64_t k = 0; k < D; ++k)
+      y[k * N + n] = 0 <= id && id < V ? table.Load1(k, id) : std::numeric_limits<float>::quiet_NaN();
+  }
+}
+
 ffi::Error TableColumns(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   const auto d = table.dimensions();
   const auto type = table.element_type();
   if (d.size() != 2 || (type != ffi::DataType::BF16 && type != ffi::DataType::F16) || out->element_count() != d[0] * ids.element_count())
     return ffi::Error::InvalidArgument("table_columns: expected a bfloat16 or float16 table [D, V] and ids, giving float32 [D, ids]");
-  const int64_t D = d[0], V = d[1], N = ids.element_count();
   const uint16_t* t = reinterpret_cast<const uint16_t*>(table.untyped_data());
-  float* y = out->typed_data();
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t id = ids.typed_data()[n] < 0 ? ids.typed_data()[n] + V : ids.typed_data()[n];  // -1: the last, as numpy counts
-    for (int64_t k = 0; k < D; ++k) {
-      if (id < 0 || id >= V) {
-        y[k * N + n] = std::numeric_limits<float>::quiet_NaN();
-      } else if (type == ffi::DataType::BF16) {
-        const uint32_t bits = uint32_t{t[k * V + id]} << 16;
-        std::memcpy(&y[k * N + n], &bits, sizeof(float));
-      } else {
-        y[k * N + n] = Half(t[k * V + id]);
-      }
-    }
-  }
+  if (type == ffi::DataType::BF16)
+    CopyColumns(Bfloat16Weight{t, d[1]}, ids.typed_data(), d[0], ids.element_count(), out->typed_data());
+  else
+    CopyColumns(Float16Weight{t, d[1]}, ids.typed_data(), d[0], ids.element_count(), out->typed_data());
   return ffi::Error::Success();
 }
 

@@ -345,7 +345,8 @@ def test_column_logits_read_each_rows_first_count_ids_and_equal_the_gathered_pro
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_a_16_bit_tables_columns_equal_xlas_gather(dtype):
     """Token embeddings of a 16-bit table come from the kernel (`tables.columns`): the same float32
-    values as XLA's gather, NaN for an id outside the table as XLA gives, and XLA's gradient."""
+    values as `jnp.take`, a negative id counted from the end and NaN for one outside the table as it
+    gives them, and its gradient."""
     table = random((64, 300), 6).astype(dtype)
     ids = jnp.asarray([[0, 299, 7, 7], [300, -302, -1, 5]], jnp.int32)
     assert few_rows.TARGET_TABLE_COLUMNS in jax.jit(tables.columns).lower(table, ids).as_text()
@@ -378,7 +379,7 @@ def test_a_bfloat16_decode_loop_holds_no_float32_copy_of_the_vocabulary_table():
     params["draft_head"] = draft_head_table(params["embed"], params["draft_vocab"], config)
     model = Model(params, config)
     _, run, _ = api.prepare(model, [4, 5, 6], method="s3d", gamma=3, skip=(2, 3), tree=4, lookup=True, min_certainty=0.0,
-                                    max_new_tokens=8, max_len=128)
+                            max_new_tokens=8, max_len=128)
     run.compile()
     table = f"[{model.config.hidden_size},{model.params['embed'].shape[1]}]"
     for executable in run._executables:
