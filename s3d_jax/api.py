@@ -126,6 +126,7 @@ class DecodeStats:
     branch_only: list[int] = dataclasses.field(default_factory=list)  # per row: iterations that verified that branch alone
     plain_steps: list[int] = dataclasses.field(default_factory=list)  # per row: plain steps taken instead of drafting (min_certainty)
     min_certainty: float = 0.0
+    drafted_cost: float = 0.0  # > 0: each row learned where its drafts paid (`Plan.drafted_cost`)
     policy: str = ""  # the calibrated drafting policy and the pass costs behind it, where one chose the defaults
 
     @property
@@ -157,6 +158,7 @@ class DecodeStats:
         kinds = [f"{speculative - branch} drafted"] + [f"{branch} the context branch alone"] * bool(branch)
         if plain:
             where = ("drafting never pays here" if self.min_certainty == NEVER
+                     else "the drafts had stopped paying" if self.drafted_cost
                      else f"the text was less predictable than {self.min_certainty:g}")
             kinds.append(f"{plain} plain steps, where {where}")
         text += f"; {speculative + plain} iterations: " + ", ".join(kinds)
@@ -305,9 +307,10 @@ def plan_for(config: ModelConfig, options: DecodeOptions, policy: Policy | None 
         raise ValueError("min_certainty chooses between a drafted token tree and a plain step, and this decode drafts the argmax chain: "
                          "give tree=N")
     min_certainty = (DEFAULT_MIN_CERTAINTY if tree and sampling.greedy else 0.0) if options.min_certainty is None else options.min_certainty
+    drafted_cost = 0.0
     if policy is not None:
-        min_certainty = policy.min_certainty
-    return Plan.make(config, options.method, gamma, skip, sampling, tree, lookup, min_certainty)
+        min_certainty, drafted_cost = policy.min_certainty, policy.drafted_cost
+    return Plan.make(config, options.method, gamma, skip, sampling, tree, lookup, min_certainty, drafted_cost)
 
 
 def eos_ids_for(model: Model, options: DecodeOptions) -> tuple[int, ...]:
@@ -385,6 +388,7 @@ def _output(model: Model, run: decoding.Run, state, batched: bool, seconds: floa
         branch_only=branch_only.tolist(),
         plain_steps=plain_steps.tolist(),
         min_certainty=run.plan.min_certainty,
+        drafted_cost=run.plan.drafted_cost,
         policy=run.policy,
     )
     text = None

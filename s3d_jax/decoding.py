@@ -38,7 +38,10 @@ class DecodeState:
     accept_histogram: jax.Array  # [B, reach+1]: iterations of each row that accepted k = 0..reach drafts
     branch_only: jax.Array  # [B]: iterations of each row that verified the context branch alone, with no draft pass
     certainty: jax.Array  # [B] float32: the verifier's top probability where it picked x_n (kept up to date by trees alone)
-    plain_steps: jax.Array  # [B]: iterations of each row that were one plain step (certainty below `plan.min_certainty`)
+    plain_steps: jax.Array  # [B]: iterations of each row that were one plain step (no active row wanted a draft)
+    # [B, 2]: per row, below and at or above `plan.min_certainty`, the tokens its drafted iterations there
+    # emitted beyond their cost in plain steps (`plan.drafted_cost`; `wants_draft`)
+    draft_surplus: jax.Array
 
 
 EOS_SLOTS = 4  # the EOS ids' array is padded to a multiple of this with -1 (no token), so EOS sets share a compile
@@ -87,11 +90,31 @@ def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng
         branch_only=jnp.zeros((B,), jnp.int32),
         certainty=top_probability(first_logits),
         plain_steps=jnp.zeros((B,), jnp.int32),
+        draft_surplus=jnp.zeros((B, 2), jnp.float32),
     )
 
 
 # The kinds of tree iteration, in `jax.lax.switch` order.
 DRAFTED, BRANCH_ALONE, PLAIN_STEP = 0, 1, 2
+
+
+def certain(plan: Plan, state: DecodeState):
+    """[B] int32: 1 where the verifier picked x_n with at least `plan.min_certainty`, else 0."""
+    return (state.certainty >= plan.min_certainty).astype(jnp.int32)
+
+
+def wants_draft(plan: Plan, state: DecodeState):
+    """[B] bool: whether each row's next iteration should be drafted. With a fixed gate, where x_n was
+    certain enough. With `plan.drafted_cost`, where the row's drafts at this side of the gate have not
+    fallen short, in all, by more than one drafted iteration's cost: its drafted iterations there
+    emitted about as many tokens as plain steps would have in their time. How far drafting pays
+    differs more between texts (code against news) than any one gate's replay can see; the slack of
+    one iteration keeps a side drafting past a first unlucky draft, which on cheap drafts would cost
+    more than it saves (docs/experiments.md, "Drafting learned per decode")."""
+    side = certain(plan, state)
+    if not plan.drafted_cost:
+        return side == 1
+    return jnp.take_along_axis(state.draft_surplus, side[:, None], axis=1)[:, 0] + plan.drafted_cost >= 0
 
 
 def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, x_n_B, draft_rng, accept_rng):
@@ -100,9 +123,10 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
                     all γ of its tokens after a match of two tokens or more (`tree.branch_suffices`), the
                     branch is verified alone, with no draft pass. It runs on through the tree's N+γ
                     slots (`plan.reach`), so that a long copy can accept more than γ tokens in one pass.
-      PLAIN_STEP    otherwise, when every active row's verifier picked x_n with a probability below
-                    `plan.min_certainty`, x_n alone is verified: one plain step, no draft pass. Where the
-                    text is that unpredictable a drafted tree accepts too little to pay for its passes
+      PLAIN_STEP    otherwise, when no active row wants a draft (`wants_draft`: its verifier picked x_n
+                    with a probability below `plan.min_certainty`, or its drafts there have not paid),
+                    x_n alone is verified: one plain step, no draft pass. Where the text is that
+                    unpredictable a drafted tree accepts too little to pay for its passes
                     (docs/experiments.md, "Drafting only where the text is predictable").
       DRAFTED       otherwise the S3D draft pass builds a tree, which is verified without the branch: on
                     a CPU every row of a verify pass costs time (docs/experiments.md, "A drafted tree verified alone").
@@ -129,9 +153,9 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
         branch, known, matched = tree.context_branch(state.tokens, state.cache.lengths, reach)
         passes[BRANCH_ALONE] = lambda: verify_tree(tree.graft(tree.root(x_n_B), branch, known))
         kind = jnp.where(tree.branch_suffices(known[:, :G], matched, state.done), BRANCH_ALONE, kind)
-    if plan.min_certainty > 0:
+    if plan.min_certainty > 0 or plan.drafted_cost:
         passes[PLAIN_STEP] = lambda: verify_tree(tree.root(x_n_B))
-        unpredictable = jnp.all((state.certainty < plan.min_certainty) | state.done)  # no active row worth a draft
+        unpredictable = jnp.all(~wants_draft(plan, state) | state.done)  # no active row worth a draft
         kind = jnp.where((kind == DRAFTED) & unpredictable, PLAIN_STEP, kind)
     kinds = sorted(passes)
     k, emitted, certainty, path_kv = jax.lax.switch(jnp.searchsorted(jnp.asarray(kinds), kind), [passes[c] for c in kinds])
@@ -169,6 +193,10 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
     num_generated = state.num_generated + count
     active = ~state.done
     plain_step = kind == PLAIN_STEP
+    surplus = state.draft_surplus
+    if plan.drafted_cost:  # what this drafted iteration emitted beyond its cost, on the side of the gate it drafted from
+        gain = jnp.where(active & (kind == DRAFTED), (k + 1).astype(jnp.float32) - plan.drafted_cost, 0.0)
+        surplus = surplus.at[jnp.arange(B), certain(plan, state)].add(gain)
     return state.replace(
         tokens=tokens,
         cache=cache.replace(lengths=n + count),
@@ -181,6 +209,7 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
         branch_only=state.branch_only + (active & (kind == BRANCH_ALONE)).astype(jnp.int32),
         certainty=jnp.where(active, certainty, state.certainty),
         plain_steps=state.plain_steps + (active & plain_step).astype(jnp.int32),
+        draft_surplus=surplus,
     )
 
 

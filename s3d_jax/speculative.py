@@ -37,13 +37,17 @@ class Plan:
     tree: int = 0  # > 0: verify a token tree of this many nodes instead of the argmax chain
     lookup: bool = False  # with a tree: verify a branch copied from the context alone when it suffices (tree.graft)
     min_certainty: float = 0.0  # with a tree: draft only where the verifier picked x_n with at least this probability
+    # > 0 (a calibrated greedy tree): a drafted iteration's cost in plain steps. Each row then learns where
+    # drafting pays, apart below and at or above `min_certainty`: it drafts there while its drafted
+    # iterations there have emitted about this many tokens each (decoding.wants_draft).
+    drafted_cost: float = 0.0
 
     @classmethod
     def make(cls, config: ModelConfig, method: str, gamma: int = 0, skip=None, sampling: Sampling | None = None, tree: int = 0,
-             lookup: bool = False, min_certainty: float = 0.0) -> Plan:
+             lookup: bool = False, min_certainty: float = 0.0, drafted_cost: float = 0.0) -> Plan:
         draft_layers = config.draft_layers(skip) if skip is not None else ()
         return cls(method, int(gamma), None if skip is None else tuple(skip), draft_layers, sampling or Sampling(), int(tree),
-                   bool(lookup), float(min_certainty))
+                   bool(lookup), float(min_certainty), float(drafted_cost))
 
     @property
     def nodes(self) -> int:

@@ -147,20 +147,29 @@ def tree_analysis(ranks: list[np.ndarray], sizes) -> dict:
             "top_k_acceptance_per_depth": top_k, "tree_e": {int(n): crossed(n) for n in sizes}}
 
 
-def replay(outcomes: list[dict], min_certainty: float | None, costs: dict, lookup: bool = True) -> dict:
+def replay(outcomes: list[dict], min_certainty: float | None, costs: dict, lookup: bool = True, learns: bool = False) -> dict:
     """The decode loop's choice at each iteration, replayed along the replies (batch 1): the tokens after
     each reply's first, their cost in plain steps, and how many iterations of each kind
-    (`drafted`, `branch`, `plain`) ran and how many tokens they emitted. `min_certainty` None is the oracle, `NEVER` never drafts; without
-    `lookup` the context branch never runs."""
+    (`drafted`, `branch`, `plain`) ran and how many tokens they emitted. `min_certainty` None is the
+    oracle, `NEVER` never drafts; without `lookup` the context branch never runs. With `learns`, each
+    side of the gate drafts until its drafted iterations of the reply have emitted, in all, more than
+    one iteration's cost fewer tokens than their cost in plain steps, as `decoding.wants_draft` does."""
     tokens, cost, kinds, emitted_by_kind = 0, 0.0, collections.Counter(), collections.Counter()
     for reply in outcomes:
         n, end = 0, len(reply["certainty"])
+        surplus = [0.0, 0.0]  # below and at or above the gate: tokens drafted iterations emitted beyond their cost
         while n < end:
             if lookup and reply["branch"][n]:
                 kind, emitted = "branch", reply["branch_k"][n] + 1
             else:
-                pays = reply["drafted"][n] + 1 > costs["drafted"] if min_certainty is None else reply["certainty"][n] >= min_certainty
+                if min_certainty is None:
+                    pays = reply["drafted"][n] + 1 > costs["drafted"]
+                else:
+                    side = int(reply["certainty"][n] >= min_certainty)
+                    pays = surplus[side] + costs["drafted"] >= 0 if learns else bool(side)
                 kind, emitted = ("drafted", reply["drafted"][n] + 1) if pays else ("plain", 1)
+                if pays and learns:
+                    surplus[side] += emitted - costs["drafted"]
             emitted = min(int(emitted), end - n)  # the reply ends there
             n, tokens, cost = n + emitted, tokens + emitted, cost + costs[kind]
             kinds[kind] += 1
@@ -176,7 +185,9 @@ GATES = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, NEVER)  # the policy's candidate `m
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """How S3D decodes where the caller left it open: the tree, the gate and the context branch, and
-    what the replay predicted for them (tokens per plain step's time) from `costs` (plain steps)."""
+    what the replay predicted for them (tokens per plain step's time) from `costs` (plain steps). A
+    policy that drafts learns where drafting pays as it decodes, apart below and at or above its gate
+    (`drafted_cost`)."""
 
     tree: int
     min_certainty: float  # NEVER: no iteration drafts
@@ -189,6 +200,11 @@ class Policy:
         return self.min_certainty != NEVER
 
     @property
+    def drafted_cost(self) -> float:
+        """What a drafted iteration's tokens must repay (`Plan.drafted_cost`); 0 where it never drafts."""
+        return self.costs["drafted"] if self.drafts else 0.0
+
+    @property
     def plain(self) -> bool:
         """Nothing speculative pays: decode plainly."""
         return not self.drafts and not self.lookup
@@ -197,8 +213,8 @@ class Policy:
         if self.plain:
             what = "plain steps (no drafted tree or context branch repays its passes here)"
         else:
-            gate = "never drafts" if not self.drafts else "drafts everywhere" if self.min_certainty == 0 else \
-                f"drafts where the certainty is at least {self.min_certainty:g}"
+            gate = "never drafts" if not self.drafts else "drafts while its drafts pay" if self.min_certainty == 0 else \
+                f"drafts while its drafts pay, learned apart below and above a certainty of {self.min_certainty:g}"
             what = f"tree of {self.tree}, {gate}{', context branch on' if self.lookup else ''}"
         costs = ", ".join(f"{kind} {cost:.2f}" for kind, cost in self.costs.items())
         return f"calibrated policy: {what}; predicted {self.predicted_speedup:.2f}x (pass costs in plain steps: {costs})"
@@ -214,9 +230,9 @@ def choose_policy(costs: dict, profile: dict) -> Policy:
     """The tree size, gate and context branch whose replay over the drafter's measured outcomes emits
     the most tokens per unit of plain-step time. `costs`: {"drafted": {N: steps}, "branch": {N: steps}}
     (`calibration.PassCosts.in_steps`); `profile`: {N: outcomes of a tree of N} (`iteration_outcomes`).
-    Plain decoding (1.0) is the baseline, and no policy predicted below it is chosen. Among the
-    drafting policies, and among the others, on equal predictions the one that drafts less wins (a
-    gate that the profile never saw open must not be taken for a free one); the best drafting policy
+    Plain decoding (1.0) is the baseline, and no policy predicted below it is chosen. A drafting
+    policy learns as it decodes (`replay(learns=True)`), so a gate only splits what it learns; on
+    equal predictions the lowest gate wins, the one split that learning needs least. The best drafting policy
     wins over a better policy that never drafts when it predicts within `TIE` of it and its drafted
     iterations repay their cost within `TIE` (emit as many tokens as the plain steps of their time)."""
     best = {False: Policy(0, NEVER, False, 1.0, {"plain": 1.0}), True: None}  # by whether it drafts
@@ -225,10 +241,10 @@ def choose_policy(costs: dict, profile: dict) -> Policy:
             continue
         kinds = {"plain": 1.0, "drafted": costs["drafted"][size], "branch": costs["branch"][size]}
         for lookup in (False, True):
-            for gate in reversed(GATES):
+            for gate in GATES:
                 if gate == NEVER and not lookup:
                     continue  # that is plain decoding, the baseline
-                replayed = replay(profile[size], gate, kinds, lookup)
+                replayed = replay(profile[size], gate, kinds, lookup, learns=gate != NEVER)
                 speedup = replayed["tokens"] / max(replayed["cost"], 1e-9)
                 known = best[gate != NEVER]
                 if known is None or speedup > known.predicted_speedup * (1 + 1e-9):
@@ -236,7 +252,7 @@ def choose_policy(costs: dict, profile: dict) -> Policy:
     drafting, other = best[True], best[False]
     if drafting is None or drafting.predicted_speedup <= 1.0 or drafting.predicted_speedup < other.predicted_speedup * (1 - TIE):
         return other
-    replayed = replay(profile[drafting.tree], drafting.min_certainty, drafting.costs, drafting.lookup)
+    replayed = replay(profile[drafting.tree], drafting.min_certainty, drafting.costs, drafting.lookup, learns=True)
     drafted = replayed["kinds"]["drafted"]  # a gate the profile never saw open repays nothing
     repays = drafted > 0 and replayed["emitted"]["drafted"] >= drafted * drafting.costs["drafted"] * (1 - TIE)
     return drafting if repays else other

@@ -37,7 +37,9 @@ def test_verify_as_cheap_as_a_step_drafts_at_every_iteration():
     assert policy.drafts and policy.min_certainty == 0.0
     assert policy.tree == 16  # equal costs: the tree that accepts most
     assert policy.predicted_speedup > 1.5
-    assert "drafts everywhere" in policy.describe()
+    assert "drafts while its drafts pay" in policy.describe() and "apart" not in policy.describe()
+    # No drafted iteration emits fewer tokens than it costs, so learning never stops drafting.
+    assert replay(profile()[16], 0.0, policy.costs, policy.lookup, learns=True)["kinds"]["plain"] == 0
 
 
 def test_a_drafted_iteration_no_e_can_repay_never_drafts():
@@ -63,6 +65,28 @@ def test_costs_between_choose_a_gate_where_the_text_is_predictable():
         assert chosen["tokens"] / chosen["cost"] >= other["tokens"] / other["cost"]
 
 
+def test_learning_stops_drafting_on_the_side_of_the_gate_where_drafts_stop_paying():
+    # Certain and uncertain positions alternate; a drafted tree accepts 2 after a certain x_n (so the
+    # next x_n is an uncertain one) and 0 after an uncertain one, and costs 2 plain steps.
+    certainty = np.tile([0.95, 0.2], 20)
+    reply = {"certainty": certainty, "drafted": np.where(certainty > 0.5, 2, 0), "branch": np.zeros(40, bool),
+             "branch_k": np.zeros(40, int)}
+    kinds = {"plain": 1.0, "drafted": 2.0, "branch": 2.0}
+    fixed = replay([reply], 0.5, kinds, lookup=False)
+    learned = replay([reply], 0.5, kinds, lookup=False, learns=True)
+    # Fixed at the gate, every uncertain position is a plain step. Learned, the uncertain side drafts
+    # until its drafts (1 token for 2 steps each) fall short by more than one iteration's 2 steps, so
+    # three times, and the certain side keeps drafting (3 tokens for 2 steps).
+    assert fixed["kinds"] == {"drafted": 10, "branch": 0, "plain": 10}
+    assert learned["kinds"]["drafted"] == fixed["kinds"]["drafted"] + 3
+    assert learned["emitted"]["drafted"] == fixed["emitted"]["drafted"] + 3
+    # One side alone (gate 0) learns from every draft: 3 tokens, then 1 (surplus 1, then 0), ... all pay.
+    assert replay([reply], 0.0, kinds, lookup=False, learns=True)["kinds"]["plain"] == 0
+    # Drafts that never repay stop after the third.
+    losing = {**reply, "drafted": np.zeros(40, int)}
+    assert replay([losing], 0.0, kinds, lookup=False, learns=True)["kinds"] == {"drafted": 3, "branch": 0, "plain": 37}
+
+
 def test_a_tree_size_without_costs_is_not_chosen():
     policy = choose_policy({"drafted": {4: 1.0}, "branch": {4: 1.0}}, profile())
     assert policy.tree == 4
@@ -82,7 +106,7 @@ def best_prediction(policy_costs, prof, drafting: bool) -> tuple[float, bool]:
         for lookup in (False, True):
             for gate in GATES:
                 if (gate != NEVER) == drafting and (gate != NEVER or lookup):
-                    replayed = replay(outs, gate, kinds, lookup)
+                    replayed = replay(outs, gate, kinds, lookup, learns=gate != NEVER)
                     drafted = replayed["kinds"]["drafted"]
                     repays = drafted > 0 and replayed["emitted"]["drafted"] >= drafted * kinds["drafted"] * (1 - TIE)
                     best = max(best, (replayed["tokens"] / replayed["cost"], repays), key=lambda b: b[0])
@@ -91,7 +115,7 @@ def best_prediction(policy_costs, prof, drafting: bool) -> tuple[float, bool]:
 
 def test_a_near_tie_between_drafting_and_never_drafting_drafts():
     prof, ties = profile(branch_share=0.3), 0
-    for drafted in np.linspace(1.2, 4.0, 29):
+    for drafted in np.linspace(1.2, 4.0, 141):  # steps of 0.02: a tie spans a few of them
         injected = costs(float(drafted), branch=1.3)
         policy = choose_policy(injected, prof)
         (drafting, repays), (never, _) = best_prediction(injected, prof, True), best_prediction(injected, prof, False)

@@ -156,9 +156,10 @@ def test_replay_counts_each_kind_of_iteration_and_its_cost():
     assert replay([{**reply, "drafted": np.array([1, 0, 1, 0, 0, 2])}], None, costs)["kinds"] == {"drafted": 0, "branch": 1, "plain": 4}
 
 
-def test_the_gate_replay_visits_what_decoding_does():
+def test_the_gate_replay_visits_what_decoding_does(monkeypatch):
     """Along the model's own greedy reply, the replayed choice of each min_certainty runs the very
-    iterations that decoding with it runs: as many drafted trees, branches alone and plain steps."""
+    iterations that decoding with it runs: as many drafted trees, branches alone and plain steps; and
+    so does a calibrated policy's, which learns where its drafts pay."""
     from reference import tiny_model
 
     import s3d_jax
@@ -184,3 +185,21 @@ def test_the_gate_replay_visits_what_decoding_does():
                          "plain": sum(stats.plain_steps)}, gate
         kinds_seen |= {kind for kind, count in kinds.items() if count}
     assert kinds_seen == {"drafted", "branch", "plain"}
+
+    from s3d_jax import calibration
+    from s3d_jax.speedup import Policy
+
+    costs = {"plain": 1.0, "drafted": 3.0, "branch": 2.0}  # a drafted tree pays where it accepts two drafts or more
+    learned_kinds = []
+    for gate in (0.0, middle):
+        # Without the context branch, which this reply's repetitions would take nearly everywhere.
+        monkeypatch.setattr(calibration, "drafting_policy", lambda m, gate=gate: Policy(4, gate, False, 1.0, costs))
+        out = s3d_jax.decode(model, prompt, max_new_tokens=24, eos_token_ids=())
+        assert out.tokens == reply and out.stats.drafted_cost == 3.0 and out.stats.min_certainty == gate
+        stats = out.stats
+        kinds = replay(outcomes, gate, costs, lookup=False, learns=True)["kinds"]
+        assert kinds == {"drafted": sum(stats.iterations) - sum(stats.branch_only), "branch": sum(stats.branch_only),
+                         "plain": sum(stats.plain_steps)}, gate
+        learned_kinds.append(kinds)
+    # Learning changed what the loop did: it took plain steps where the fixed gate 0 drafts at every iteration.
+    assert learned_kinds[0]["plain"] > 0 == replay(outcomes, 0.0, costs, lookup=False)["kinds"]["plain"]

@@ -35,7 +35,7 @@ from s3d_jax.speculative import Plan
 
 # A row's own fields; the rest (eos ids, rng, iteration count) the lane's rows share.
 ROW_FIELDS = ("tokens", "cache", "prompt_lengths", "num_generated", "done", "max_new_tokens", "accept_histogram", "branch_only",
-              "certainty", "plain_steps")
+              "certainty", "plain_steps", "draft_surplus")
 
 
 class QueueFull(RuntimeError):
