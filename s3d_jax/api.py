@@ -124,7 +124,8 @@ class DecodeStats:
     tree: int = 0  # the token tree's nodes; 0: the argmax chain
     lookup: bool = False  # the tree had a branch copied from the context
     branch_only: list[int] = dataclasses.field(default_factory=list)  # per row: iterations that verified that branch alone
-    plain_steps: list[int] = dataclasses.field(default_factory=list)  # per row: plain steps taken instead of drafting (min_certainty)
+    # per row: plain steps taken instead of drafting (`decoding.wants_draft`)
+    plain_steps: list[int] = dataclasses.field(default_factory=list)
     min_certainty: float = 0.0
     drafted_cost: float = 0.0  # > 0: each row learned where its drafts paid (`Plan.drafted_cost`)
     policy: str = ""  # the calibrated drafting policy and the pass costs behind it, where one chose the defaults

@@ -236,6 +236,7 @@ def choose_policy(costs: dict, profile: dict) -> Policy:
     wins over a better policy that never drafts when it predicts within `TIE` of it and its drafted
     iterations repay their cost within `TIE` (emit as many tokens as the plain steps of their time)."""
     best = {False: Policy(0, NEVER, False, 1.0, {"plain": 1.0}), True: None}  # by whether it drafts
+    drafting_replay = None  # the best drafting policy's replay, which decides whether its drafts repay
     for size in sorted(profile):
         if size not in costs["drafted"]:
             continue
@@ -249,10 +250,11 @@ def choose_policy(costs: dict, profile: dict) -> Policy:
                 known = best[gate != NEVER]
                 if known is None or speedup > known.predicted_speedup * (1 + 1e-9):
                     best[gate != NEVER] = Policy(size, gate, lookup, speedup, kinds)
+                    if gate != NEVER:
+                        drafting_replay = replayed
     drafting, other = best[True], best[False]
     if drafting is None or drafting.predicted_speedup <= 1.0 or drafting.predicted_speedup < other.predicted_speedup * (1 - TIE):
         return other
-    replayed = replay(profile[drafting.tree], drafting.min_certainty, drafting.costs, drafting.lookup, learns=True)
-    drafted = replayed["kinds"]["drafted"]  # a gate the profile never saw open repays nothing
-    repays = drafted > 0 and replayed["emitted"]["drafted"] >= drafted * drafting.costs["drafted"] * (1 - TIE)
+    drafted = drafting_replay["kinds"]["drafted"]  # a gate the profile never saw open repays nothing
+    repays = drafted > 0 and drafting_replay["emitted"]["drafted"] >= drafted * drafting.costs["drafted"] * (1 - TIE)
     return drafting if repays else other
