@@ -2,13 +2,14 @@
 
 Streams the continuation as the jitted loop produces it (in chunks of iterations, not per token),
 then prints the decoding statistics. `--compare` then decodes the same prompt plainly and reports
-whether the outputs are identical, and the speed ratio of a second, whole (not streamed) decode of
-each.
+whether the outputs are identical, and the speed ratio of the two: the median tokens/s of `--repeats`
+whole (not streamed) decodes of each, taken in turn after a first run of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 from s3d_jax import calibration, few_rows, options
@@ -30,6 +31,8 @@ def parse_args(argv=None):
     options.add_arguments(p)
     p.add_argument("--chunk", type=positive_int, default=4, help="iterations between streamed updates")
     p.add_argument("--compare", action="store_true", help="also decode plainly (method ar) and report the speed ratio")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="with --compare: timed decodes of each method, taken in turn; the ratio is of their medians")
     return p.parse_args(argv)
 
 
@@ -57,15 +60,20 @@ def main(argv=None) -> int:
             plain = decode(model, args.prompt, decode_options.plain())  # compiles; its first run
             print(f"[{plain.stats.summary()}]", file=sys.stderr)
             # Timed alike: each decoded whole (the stream above went back to the host every chunk) and
-            # after its first run, so neither pays for first-run costs or for printing.
-            speeds = {name: decode(model, args.prompt, opts).stats.tokens_per_second
-                      for name, opts in (("plain", decode_options.plain()), (decode_options.method, decode_options))}
+            # after its first run, so neither pays for first-run costs or for printing; in turn, and the
+            # median of each, so that a moment of a busy machine moves one sample, not the ratio.
+            runs = {"plain": decode_options.plain(), decode_options.method: decode_options}
+            samples = {name: [] for name in runs}
+            for _ in range(args.repeats):
+                for name, opts in runs.items():
+                    samples[name].append(decode(model, args.prompt, opts).stats.tokens_per_second)
+            speeds = {name: statistics.median(values) for name, values in samples.items()}
             ratio = speeds[decode_options.method] / speeds["plain"]
             same = "identical to" if chunk.tokens == plain.tokens else "DIFFERENT from"
             exact = f"; its output is {same} plain greedy's" if decode_options.temperature == 0 else ""
             timed = ", ".join(f"{name} {speed:.1f}" for name, speed in speeds.items())
-            print(f"[{decode_options.method} ran at {ratio:.2f}x plain decoding ({timed} tokens/s, each timed on a second run){exact}]",
-                  file=sys.stderr)
+            timing = f"{timed} tokens/s, medians of {args.repeats} runs each after a first"
+            print(f"[{decode_options.method} ran at {ratio:.2f}x plain decoding ({timing}){exact}]", file=sys.stderr)
     except ValueError as e:  # ConfigError and CheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -108,6 +108,6 @@ def test_demo_command_reports_the_ratio_and_exactness():
     )
     assert result.returncode == 0, result.stderr
     assert "x plain decoding (plain " in result.stderr
-    assert "each timed on a second run); its output is identical to plain greedy's" in result.stderr
+    assert "medians of 3 runs each after a first); its output is identical to plain greedy's" in result.stderr
 
 
