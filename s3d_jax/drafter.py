@@ -225,6 +225,51 @@ def check_base(drafter: Drafter, model: Model, where: str) -> None:
                            f"the model's {ours}); its token ranking would name other tokens")
 
 
+def adapter_stacks(drafter: Drafter, config: ModelConfig, where: str) -> dict:
+    """The drafter's adapters as `config`'s stacks, `{param path: [draft layers, ...]}`, in the type of
+    `config`'s adapters, one stack at a time; an adapter the file lacks is zero. `config` has the
+    drafter's skip range and rank."""
+    if not drafter.lora_rank:
+        return {}
+    stacks = {k: v for k, v in traverse_util.flatten_dict(abstract_params(config.replace(draft_vocab_size=0))).items()
+              if any("_lora" in p for p in k)}  # shapes only: no second model in memory
+    skip = list(drafter.skip)
+    layers = [f"layer_{layer}" for layer in config.draft_layers(drafter.skip)]
+    for k, v in drafter.lora.items():  # ("layer_22", "attn", "qkv_lora", "a"): entry 7 of ("layers", "attn", ...) for skip [7, 21]
+        stack = stacks.get(("layers", *k[1:]))
+        if k[0] not in layers:
+            raise DrafterError(f"the drafter {where} has an adapter {'/'.join(k)} outside its draft layers (skip range {skip})")
+        if stack is None or stack.shape[1:] != v.shape:
+            raise DrafterError(f"the drafter {where} has an adapter {'/'.join(k)} of shape {v.shape} that the model does not "
+                               f"(expected {None if stack is None else stack.shape[1:]})")
+    out = {}
+    for key, stack in stacks.items():
+        entries = [drafter.lora.get((layer, *key[1:])) for layer in layers]
+        zero = np.zeros(stack.shape[1:], stack.dtype)
+        out[key] = jax.device_put(np.stack([zero if e is None else e.astype(stack.dtype) for e in entries]))
+    return out
+
+
+def continue_from(model: Model, path: str | os.PathLike, gamma: int) -> tuple[dict, np.ndarray | None]:
+    """(params, ranking) for training that starts where the drafter at `path` stopped: the trainable
+    `model` (float32 adapters of the same skip range and rank) with the file's adapters and mask row,
+    and the file's token ranking, so that the reduced head drafts the same tokens. Refuses a drafter
+    of another base model, skip range, rank or gamma, naming which."""
+    where = str(path)
+    drafter = load_file(path)
+    check_base(drafter, model, where)
+    config = model.config
+    for name, ours, theirs in (("skip range", list(config.draft_skip or ()), list(drafter.skip)),
+                               ("LoRA rank", config.draft_lora_rank, drafter.lora_rank), ("gamma", gamma, drafter.gamma)):
+        if ours != theirs:
+            raise DrafterError(f"the drafter {where} has {name} {theirs}, and this training run {ours}: set the config to match it")
+    flat = traverse_util.flatten_dict(model.params, is_leaf=lambda _, node: quant.is_quantized(node))
+    flat.update(adapter_stacks(drafter, config, where))
+    params = traverse_util.unflatten_dict(flat)
+    embed = jax.jit(quant.set_column, static_argnums=1)(params["embed"], config.mask_token_id, jnp.asarray(drafter.mask_row, jnp.float32))
+    return {**params, "embed": embed}, drafter.ranking
+
+
 @compile_cache.keeping_every_compile()  # its few computations run at every load: a warm process compiles nothing
 def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: int | None = None, reuse_base: bool = False) -> Model:
     """The model with the drafter's adapters (in `DECODE_DTYPE`), mask row, defaults and (optionally
@@ -245,22 +290,7 @@ def apply(model: Model, drafter: Drafter | str | os.PathLike, draft_vocab_size: 
         raise DrafterError(f"the drafter {where} has a mask row of shape {drafter.mask_row.shape}, the model needs ({config.hidden_size},)")
     flat = traverse_util.flatten_dict(model.params)  # a draft head applied before is replaced by `with_draft_vocab`
     flat = {k: v for k, v in flat.items() if not any("_lora" in p for p in k)}  # and adapters applied before, here
-    stacks = {}  # the adapters' stacks, with one entry per draft layer, in order
-    if drafter.lora_rank:
-        stacks = {k: v for k, v in traverse_util.flatten_dict(abstract_params(config.replace(draft_vocab_size=0))).items()
-                  if any("_lora" in p for p in k)}  # shapes only: no second model in memory
-    layers = [f"layer_{layer}" for layer in config.draft_layers(skip)]
-    for k, v in drafter.lora.items():  # ("layer_22", "attn", "qkv_lora", "a"): entry 7 of ("layers", "attn", ...) for skip [7, 21]
-        stack = stacks.get(("layers", *k[1:]))
-        if k[0] not in layers:
-            raise DrafterError(f"the drafter {where} has an adapter {'/'.join(k)} outside its draft layers (skip range {list(skip)})")
-        if stack is None or stack.shape[1:] != v.shape:
-            raise DrafterError(f"the drafter {where} has an adapter {'/'.join(k)} of shape {v.shape} that the model does not "
-                               f"(expected {None if stack is None else stack.shape[1:]})")
-    for key, stack in stacks.items():  # one stack at a time; an adapter the file lacks is zero
-        entries = [drafter.lora.get((layer, *key[1:])) for layer in layers]
-        zero = np.zeros(stack.shape[1:], stack.dtype)
-        flat[key] = jax.device_put(np.stack([zero if e is None else e.astype(stack.dtype) for e in entries]))
+    flat.update(adapter_stacks(drafter, config, where))
     size = drafter.draft_vocab_size if draft_vocab_size is None else check_int("draft_vocab_size", draft_vocab_size, 0)
     params, config = with_draft_vocab(traverse_util.unflatten_dict(flat), config, drafter.ranking, size)  # the mask is not drafted
     check_params(params, config)

