@@ -6,7 +6,7 @@ to 3,200 ShareGPT first turns it has not seen (about 0.6M reply tokens).
     python -m s3d_jax.train --config configs/smollm2_stage2.py --workdir runs/smollm2_drafter_2
     python -m s3d_jax.predict --drafters runs/smollm2_drafter_2/drafter.safetensors --profile 24 --max-new-tokens 128
 
-`make drafter` runs both stages. `--config.s3d.init_drafter=s3d_jax/drafters/SmolLM2-135M-Instruct.safetensors`
+`--config.s3d.init_drafter=s3d_jax/drafters/SmolLM2-135M-Instruct.safetensors`
 continues the shipped drafter instead of a first stage made here. `--skip 5300` leaves out the first stage's
 prompts; the held-out prompts of both stages (5%, by a hash of the prompt id) are the same hash split, so
 neither stage trains on the prompts `predict --profile` measures.
