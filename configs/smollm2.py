@@ -18,15 +18,11 @@ and these changes:
 pass over them: about 75 minutes on 2 CPU cores alone, 2 hours beside other work.
 """
 
-import importlib.util
-from pathlib import Path
+from s3d_jax.train.config import sibling_config
 
 
 def get_config():
-    spec = importlib.util.spec_from_file_location("smollm2_small", Path(__file__).with_name("smollm2_small.py"))
-    small = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(small)
-    c = small.get_config()
+    c = sibling_config(__file__, "smollm2_small")
     c.data.path = "runs/smollm2_replies_1m.jsonl"
     c.data.eval_batches = 8
     c.s3d.update(target="verifier_kl", argmax_weight=1.0, lora_rank=32)

@@ -15,15 +15,11 @@ The first stage's recipe, with its adapters, mask row and token ranking as the s
 and a new warm-up to half its peak learning rate: one pass over the new replies.
 """
 
-import importlib.util
-from pathlib import Path
+from s3d_jax.train.config import sibling_config
 
 
 def get_config():
-    spec = importlib.util.spec_from_file_location("smollm2", Path(__file__).with_name("smollm2.py"))
-    first = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(first)
-    c = first.get_config()
+    c = sibling_config(__file__, "smollm2")
     c.data.path = "runs/smollm2_replies_2.jsonl"
     c.s3d.init_drafter = "runs/smollm2_drafter/drafter.safetensors"
     c.train.update(steps=290, warmup_steps=20, lr=5e-4, eval_every=40, checkpoint_every=20)

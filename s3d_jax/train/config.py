@@ -5,6 +5,7 @@ checkpoint records so that a resumed run is the same run)."""
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -14,6 +15,14 @@ import ml_collections
 from s3d_jax.config import DTYPES, FLOAT_DTYPES, QUANTIZED_DTYPES, ConfigError, ModelConfig, validate_skip
 from s3d_jax.data import LOSS_ON
 from s3d_jax.objective import LOSS_POSITIONS, MASKINGS, TARGETS, Objective
+
+
+def sibling_config(config_file: str, name: str) -> ml_collections.ConfigDict:
+    """The config of `name`.py in the directory of `config_file`: for a config file that extends another."""
+    spec = importlib.util.spec_from_file_location(name, Path(config_file).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
 
 
 def default_config() -> ml_collections.ConfigDict:
