@@ -1,5 +1,6 @@
-"""What the CPU backend needs from the process, in one place: for `decoding.compiled`, and the heap
-trim after each decode (`api.decode`, `api.stream`).
+"""What the CPU backend needs from the process, in one place: for `decoding.compiled`, the heap's
+arenas (set when this module is imported), and the heap trim after each decode (`api.decode`,
+`api.stream`).
 
 - Compiler options for passes of a few tokens per row: XLA's CPU backend hands dots to the YNNPACK
   library by default, whose kernels are the faster ones for training's products of thousands of rows,
@@ -9,6 +10,11 @@ trim after each decode (`api.decode`, `api.stream`).
 - Freed heap handed back to the OS: XLA's CPU compiler and a checkpoint's load free most of what
   they allocate, but glibc keeps those pages; without `malloc_trim` the compiled S3D loop held about
   200 MiB of freed heap, and ten turns of a benchmark in several prompt buckets 40 MiB (docs/cpu.md).
+- Two heap arenas instead of glibc's eight per core: each of XLA's threads otherwise allocates in an
+  arena of its own, whose freed pages no other thread reuses; an int4 process decoding ten benchmark
+  turns peaked about 30 MiB lower at the same speed (docs/cpu.md, "Memory: heap arenas").
+  It has to be set before JAX's CPU client starts its threads, hence on import. A `MALLOC_ARENA_MAX`
+  in the environment is glibc's own setting and is left as it is.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 import jax
 
@@ -36,16 +43,32 @@ def few_row_compiler_options() -> dict | None:
     return FEW_ROW_OPTIONS
 
 
+HEAP_ARENAS = 2
+_M_ARENA_MAX = -8  # <malloc.h>
+
+
 @functools.cache
-def _malloc_trim():
+def _glibc():
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
         return None
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None  # glibc's, else no heap settings
+
+
+def limit_heap_arenas() -> None:
+    """Has glibc's allocator use `HEAP_ARENAS` arenas for every thread started from now on (a no-op
+    elsewhere, or where `MALLOC_ARENA_MAX` is set)."""
+    libc = _glibc()
+    if libc is not None and "MALLOC_ARENA_MAX" not in os.environ:
+        libc.mallopt(_M_ARENA_MAX, HEAP_ARENAS)
 
 
 def release_freed_memory() -> None:
     """Hands the heap pages that are free back to the OS (glibc's `malloc_trim`; a no-op elsewhere)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+limit_heap_arenas()
