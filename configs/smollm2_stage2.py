@@ -1,15 +1,15 @@
-"""A second stage for the SmolLM2 drafter: configs/smollm2.py's drafter trained on over the model's replies
-to 3,200 ShareGPT first turns it has not seen (about 0.6M reply tokens).
+"""The second stage of the shipped SmolLM2 drafter (`make drafter` runs both): configs/smollm2.py's drafter
+trained on over the model's replies to 3,200 ShareGPT first turns it has not seen (about 0.6M reply tokens).
 
     python -m s3d_jax.self_data --out runs/smollm2_replies_2.jsonl --skip 5300 --limit 3200 --batch 64 \
         --max-new-tokens 256 --max-prompt-tokens 192
     python -m s3d_jax.train --config configs/smollm2_stage2.py --workdir runs/smollm2_drafter_2
     python -m s3d_jax.predict --drafters runs/smollm2_drafter_2/drafter.safetensors --profile 24 --max-new-tokens 128
 
-`--config.s3d.init_drafter=s3d_jax/drafters/SmolLM2-135M-Instruct.safetensors`
-continues the shipped drafter instead of a first stage made here. `--skip 5300` leaves out the first stage's
-prompts; the held-out prompts of both stages (5%, by a hash of the prompt id) are the same hash split, so
-neither stage trains on the prompts `predict --profile` measures.
+`--config.s3d.init_drafter=FILE` continues another drafter file instead of the first stage made here.
+`--skip 5300` leaves out the first stage's prompts; the held-out prompts of both stages (5%, by a hash
+of the prompt id) are the same hash split, so neither stage trains on the prompts `predict --profile`
+measures.
 
 The first stage's recipe, with its adapters, mask row and token ranking as the start (`s3d.init_drafter`)
 and a new warm-up to half its peak learning rate: one pass over the new replies.
