@@ -84,6 +84,43 @@ def test_cli_sweep_on_tiny_drafters(tmp_path):
     assert "recommended tree:" in result.stdout
 
 
+
+@pytest.mark.needs("bundled_model", "mt_bench")
+def test_cli_gates_on_a_tiny_drafter(tmp_path):
+    """`--gates`: each gate and the oracle replayed along the drafter's own replies, with the gate fixed
+    and learning, the kinds of iteration adding up, and the table printed."""
+    import json
+    import subprocess
+    import sys
+
+    from reference import tiny_model
+
+    from s3d_jax import bundled, checkpoint
+
+    model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, num_layers=6, hidden_size=32, intermediate_size=64, head_dim=8)
+    drafter = str(tmp_path / "drafter")
+    config = model.config.replace(eos_token_ids=(2,), draft_skip=(2, 3), draft_gamma=2, draft_tree=4)
+    checkpoint.save(drafter, model.params, config, bundled.tokenizer())
+    out = tmp_path / "predict"
+    result = subprocess.run(
+        [sys.executable, "-m", "s3d_jax.predict", "--drafters", drafter, "--questions", "1", "--max-gamma", "2",
+         "--max-new-tokens", "16", "--gates", "0", "0.5", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (gates,) = json.loads((out / "predict.json").read_text())["gates"]
+    assert (gates["skip"], gates["gamma"], gates["tree"]) == ([2, 3], 2, 4)
+    assert gates["costs"]["plain"] == 1.0 and gates["costs"]["drafted"] > 0 and gates["positions"] > 0
+    assert [row["min_certainty"] for row in gates["rows"]] == [0.0, 0.5, 1.0, None]
+    for row in gates["rows"]:
+        assert sum(row[f"{kind}_share"] for kind in ("drafted", "branch", "plain")) == pytest.approx(1.0)
+        assert row["predicted_speedup"] > 0
+        assert (row.get("learning_speedup", 0) > 0) == (row["min_certainty"] is not None)
+    # A fixed gate of 0 drafts every iteration outside the context branch; one of 1 none (no top probability is 1 here).
+    assert gates["rows"][0]["plain_share"] == 0 and gates["rows"][2]["drafted_share"] == 0
+    assert "| min_certainty | predicted speedup |" in result.stdout and "| oracle |" in result.stdout
+
+
 # ---------------------------------------------------------------- trees
 
 

@@ -40,7 +40,9 @@ def predict_trees(model, args, pass_ms, plain_speed: float | None) -> dict:
 
 def predict_gates(model, args, plain_speed: float | None) -> dict:
     """Each `min_certainty` of `args.gates` (and the oracle): predicted speedup and the share of each
-    kind of iteration; with `plain_speed` (the --sweep), also the measured speedup of decoding with it."""
+    kind of iteration, with the gate fixed and as a calibrated policy runs it (learning on each side of
+    the gate where drafts pay); with `plain_speed` (the --sweep), also the measured speedup of decoding
+    with the fixed gate."""
     config = model.config
     plan = api.plan_for(config, DecodeOptions(min_certainty=0.0))
     if not plan.tree or not plan.lookup:
@@ -56,6 +58,9 @@ def predict_gates(model, args, plain_speed: float | None) -> dict:
         iterations = max(sum(replayed["kinds"].values()), 1)
         row = {"min_certainty": gate, "predicted_speedup": replayed["tokens"] / replayed["cost"],
                **{f"{kind}_share": count / iterations for kind, count in replayed["kinds"].items()}}
+        if gate is not None:
+            learned = replay(outcomes, gate, costs, learns=True)
+            row["learning_speedup"] = learned["tokens"] / learned["cost"]
         if plain_speed and gate is not None:
             print(f"decoding with min_certainty {gate} ...", file=sys.stderr)
             speed, _ = measure(model, args.questions, DecodeOptions(chat=True, max_new_tokens=args.max_new_tokens, min_certainty=gate))

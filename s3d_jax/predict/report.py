@@ -11,16 +11,19 @@ from s3d_jax.speedup import first_acceptance
 
 
 def gate_table(gates: dict) -> str:
-    """Markdown: each min_certainty's predicted (and measured) speedup and kinds of iteration."""
+    """Markdown: each min_certainty's predicted (and measured) speedup and kinds of iteration with the
+    gate fixed, and the speedup predicted for a policy that learns on each side of it."""
     measured = any("measured_speedup" in row for row in gates["rows"])
     costs = gates["costs"]
-    head = ["min_certainty", "predicted speedup", "drafted", "branch alone", "plain steps"] + (["measured speedup"] if measured else [])
+    head = ["min_certainty", "predicted speedup", "drafted", "branch alone", "plain steps", "predicted, learning"] + (
+        ["measured speedup"] if measured else [])
     lines = [f"skip {gates['skip']}, gamma {gates['gamma']}, tree {gates['tree']}, {gates['positions']} positions; pass costs in "
              f"plain steps: drafted tree {costs['drafted']:.2f}, branch alone {costs['branch']:.2f}", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for row in gates["rows"]:
         cells = ["oracle" if row["min_certainty"] is None else f"{row['min_certainty']:g}", f"{row['predicted_speedup']:.2f}x",
-                 f"{row['drafted_share']:.0%}", f"{row['branch_share']:.0%}", f"{row['plain_share']:.0%}"]
+                 f"{row['drafted_share']:.0%}", f"{row['branch_share']:.0%}", f"{row['plain_share']:.0%}",
+                 f"{row['learning_speedup']:.2f}x" if "learning_speedup" in row else "-"]
         if measured:
             cells.append(f"{row['measured_speedup']:.2f}x" if "measured_speedup" in row else "-")
         lines.append("| " + " | ".join(cells) + " |")
