@@ -43,30 +43,35 @@ def test_draft_ratio_and_grid():
     assert skips == [(3, 4), (2, 5), (1, 6)]
 
 
-@pytest.mark.needs("bundled_model", "mt_bench")
-def test_cli_sweep_on_tiny_drafters(tmp_path):
-    """The whole command: measure two drafters, fit, predict the grid, measure it, write json and plot."""
-    import json
-    import subprocess
-    import sys
-
+def tiny_drafter_dir(path, skip, **draft):
+    """A tiny random model with the bundled tokenizer's vocabulary, saved as a trained drafter of `skip`."""
     from reference import tiny_model
 
     from s3d_jax import bundled, checkpoint
 
-    tokenizer = bundled.tokenizer()
     model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, num_layers=6, hidden_size=32, intermediate_size=64, head_dim=8)
-    drafters = []
-    for skip in [(2, 3), (1, 4)]:
-        drafters.append(str(tmp_path / f"skip_{skip[0]}_{skip[1]}"))
-        checkpoint.save(drafters[-1], model.params, model.config.replace(eos_token_ids=(2,), draft_skip=skip, draft_gamma=2), tokenizer)
-    out = tmp_path / "predict"
-    result = subprocess.run(
-        [sys.executable, "-m", "s3d_jax.predict", "--drafters", *drafters, "--questions", "1", "--max-gamma", "2",
-         "--max-new-tokens", "8", "--sweep", "--trees", "2", "4", "--out", str(out)],
-        capture_output=True, text=True, timeout=900,
-    )
+    checkpoint.save(str(path), model.params, model.config.replace(eos_token_ids=(2,), draft_skip=skip, **draft), bundled.tokenizer())
+    return str(path)
+
+
+def run_predict(*args):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "s3d_jax.predict", *args], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.needs("bundled_model", "mt_bench")
+def test_cli_sweep_on_tiny_drafters(tmp_path):
+    """The whole command: measure two drafters, fit, predict the grid, measure it, write json and plot."""
+    import json
+
+    drafters = [tiny_drafter_dir(tmp_path / f"skip_{skip[0]}_{skip[1]}", skip, draft_gamma=2) for skip in [(2, 3), (1, 4)]]
+    out = tmp_path / "predict"
+    result = run_predict("--drafters", *drafters, "--questions", "1", "--max-gamma", "2", "--max-new-tokens", "8", "--sweep",
+                         "--trees", "2", "4", "--out", str(out))
     report = json.loads((out / "predict.json").read_text())
     assert (out / "predict.png").stat().st_size > 0
     assert sorted(tuple(p["skip"]) for p in report["points"]) == [(1, 4), (2, 3)]
@@ -84,30 +89,16 @@ def test_cli_sweep_on_tiny_drafters(tmp_path):
     assert "recommended tree:" in result.stdout
 
 
-
 @pytest.mark.needs("bundled_model", "mt_bench")
 def test_cli_gates_on_a_tiny_drafter(tmp_path):
     """`--gates`: each gate and the oracle replayed along the drafter's own replies, with the gate fixed
     and learning, the kinds of iteration adding up, and the table printed."""
     import json
-    import subprocess
-    import sys
 
-    from reference import tiny_model
-
-    from s3d_jax import bundled, checkpoint
-
-    model = tiny_model(seed=0, vocab_size=49153, mask_token_id=49152, num_layers=6, hidden_size=32, intermediate_size=64, head_dim=8)
-    drafter = str(tmp_path / "drafter")
-    config = model.config.replace(eos_token_ids=(2,), draft_skip=(2, 3), draft_gamma=2, draft_tree=4)
-    checkpoint.save(drafter, model.params, config, bundled.tokenizer())
+    drafter = tiny_drafter_dir(tmp_path / "drafter", (2, 3), draft_gamma=2, draft_tree=4)
     out = tmp_path / "predict"
-    result = subprocess.run(
-        [sys.executable, "-m", "s3d_jax.predict", "--drafters", drafter, "--questions", "1", "--max-gamma", "2",
-         "--max-new-tokens", "16", "--gates", "0", "0.5", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_predict("--drafters", drafter, "--questions", "1", "--max-gamma", "2", "--max-new-tokens", "16",
+                         "--gates", "0", "0.5", "1", "--out", str(out))
     (gates,) = json.loads((out / "predict.json").read_text())["gates"]
     assert (gates["skip"], gates["gamma"], gates["tree"]) == ([2, 3], 2, 4)
     assert gates["costs"]["plain"] == 1.0 and gates["costs"]["drafted"] > 0 and gates["positions"] > 0
