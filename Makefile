@@ -42,8 +42,8 @@ bench: install
 # The shipped drafter from scratch, each step resuming a killed run: the model's own replies to 5,300
 # prompts (about 1M tokens; hours on 2 cores) and a first stage (configs/smollm2.py), replies to the
 # next 3,200 and a second stage (configs/smollm2_stage2.py), replies to the 3,200 after those and a
-# third (configs/smollm2_stage3.py), then the drafter's acceptance profile.
-# The result is runs/smollm2_drafter_3/drafter.safetensors.
+# third (configs/smollm2_stage3.py), replies to the last 2,647 and a fourth (configs/smollm2_stage4.py),
+# then the drafter's acceptance profile. The result is runs/smollm2_drafter_4/drafter.safetensors.
 drafter: install
 	$(PY) -m s3d_jax.self_data --out runs/smollm2_replies_1m.jsonl --limit 5300 --batch 64 --max-new-tokens 256 --max-prompt-tokens 192
 	$(PY) -m s3d_jax.train --config configs/smollm2.py --workdir runs/smollm2_drafter
@@ -51,4 +51,6 @@ drafter: install
 	$(PY) -m s3d_jax.train --config configs/smollm2_stage2.py --workdir runs/smollm2_drafter_2
 	$(PY) -m s3d_jax.self_data --out runs/smollm2_replies_3.jsonl --skip 8500 --limit 3200 --batch 64 --max-new-tokens 256 --max-prompt-tokens 192
 	$(PY) -m s3d_jax.train --config configs/smollm2_stage3.py --workdir runs/smollm2_drafter_3
-	$(PY) -m s3d_jax.predict --drafters runs/smollm2_drafter_3/drafter.safetensors --profile 24 --max-new-tokens 128
+	$(PY) -m s3d_jax.self_data --out runs/smollm2_replies_4.jsonl --skip 11700 --limit 3200 --batch 64 --max-new-tokens 256 --max-prompt-tokens 192
+	$(PY) -m s3d_jax.train --config configs/smollm2_stage4.py --workdir runs/smollm2_drafter_4
+	$(PY) -m s3d_jax.predict --drafters runs/smollm2_drafter_4/drafter.safetensors --profile 24 --max-new-tokens 128

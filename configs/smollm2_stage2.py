@@ -1,5 +1,5 @@
-"""The second stage of the shipped SmolLM2 drafter (`make drafter` runs all three stages): configs/smollm2.py's drafter
-trained on over the model's replies to 3,200 ShareGPT first turns it has not seen (about 0.6M reply tokens).
+"""The second stage of the shipped SmolLM2 drafter (`make drafter` runs all four stages): configs/smollm2.py's drafter
+trained over the model's replies to 3,200 ShareGPT first turns it has not seen (about 0.6M reply tokens).
 
     python -m s3d_jax.self_data --out runs/smollm2_replies_2.jsonl --skip 5300 --limit 3200 --batch 64 \
         --max-new-tokens 256 --max-prompt-tokens 192

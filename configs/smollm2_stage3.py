@@ -1,5 +1,5 @@
-"""The third stage of the shipped SmolLM2 drafter (`make drafter` runs all three): the second stage's drafter
-trained on over the model's replies to the next 3,200 ShareGPT first turns (about 0.6M reply tokens).
+"""The third stage of the shipped SmolLM2 drafter (`make drafter` runs all four): the second stage's drafter
+trained over the model's replies to the next 3,200 ShareGPT first turns (about 0.6M reply tokens).
 
     python -m s3d_jax.self_data --out runs/smollm2_replies_3.jsonl --skip 8500 --limit 3200 --batch 64 \
         --max-new-tokens 256 --max-prompt-tokens 192
