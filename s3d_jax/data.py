@@ -24,7 +24,7 @@ ROLES = {
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
     "system": "system",
 }
-LOSS_ON = ("assistant", "all")
+LOSS_ON = ("assistant", "last", "all")  # every reply, the last reply only, every token
 
 
 class DataError(ValueError):
@@ -132,19 +132,18 @@ def to_messages(record) -> list[dict] | None:
 
 
 def tokenize(tokenizer, messages: list[dict], loss_on: str) -> tuple[list[int], list[bool]]:
-    """Chat-templated ids and which of them are training targets (assistant replies, or all)."""
+    """Chat-templated ids and which of them are training targets: the assistant's replies, its last
+    reply only (the model's own after a history from elsewhere, `self_data --later-turns`), or all."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
     if loss_on == "all":
         return ids, [True] * len(ids)
     # Character spans of assistant replies: from after the generation prompt to the turn's end.
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] == "assistant":
-            start = len(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True))
-            end = len(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False))
-            spans.append((start, end))
+    replies = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    spans = [(len(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)),
+              len(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)))
+             for i in (replies[-1:] if loss_on == "last" else replies)]
     mask = [any(s <= begin < e for s, e in spans) for begin, _ in encoded["offset_mapping"]]
     return ids, mask
 

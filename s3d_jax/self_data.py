@@ -1,18 +1,22 @@
-"""The model's own replies to ShareGPT first-turn prompts, as training data for its drafter.
+"""The model's own replies to ShareGPT prompts, as training data for its drafter.
 
-    python -m s3d_jax.self_data --out data/smollm2_replies.jsonl [--model DIR] [--batch 16] [--limit 2000] [--skip 0]
+    python -m s3d_jax.self_data --out data/smollm2_replies.jsonl [--model DIR] [--batch 16] [--limit 2000] [--skip 0] [--later-turns]
 
 Greedy verification accepts a draft only when it equals the verifier's own argmax, so the labels that
 count are the verifier's predictions on text it would itself write (docs/design.md, "Training
 objective"). This decodes each prompt with the project's batched plain decoder (greedy by default,
 or sampled) and appends one ShareGPT-format line per reply, so the trainer reads the file like any
-other data file. The file is flushed after every batch; a run started again skips the prompts already
-answered and drops a line that a kill cut off, so no reply is lost or written twice.
+other data file. The prompts are the conversations' first user turns, and with `--later-turns` every
+later user turn too, after the conversation's history as the data holds it: the reply is then the
+model's own only in its last turn, which `data.loss_on = "last"` trains on alone. The file is flushed
+after every batch; a run started again skips the prompts already answered and drops a line that a
+kill cut off, so no reply is lost or written twice.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -23,24 +27,50 @@ from tqdm import tqdm
 from s3d_jax import api, data
 from s3d_jax.options import DecodeOptions
 
+SHAREGPT_ROLES = {"user": "human", "assistant": "gpt", "system": "system"}
 
-def first_turns(path, tokenizer, max_prompt_tokens: int, limit: int = 0, skip: int = 0) -> list[tuple[str, str]]:
-    """(id, first user message) of each usable conversation, in file order, skipping prompts longer
-    than `max_prompt_tokens` once chat-templated, then the first `skip` usable ones, and keeping
-    `limit` of the rest (0: all). Deterministic, so a resumed run sees the same list."""
-    prompts = []
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """A conversation up to one of its user turns, which the model answers."""
+
+    conversation: str  # the conversation's id: the train/held-out split hashes it, so all its turns fall on one side
+    turn: int  # which of its user turns, 0 the first
+    messages: tuple[dict, ...]  # the conversation's messages up to and including that turn
+
+    @property
+    def key(self) -> str:
+        """What a resumed run knows the prompt by: the id, with `/turn` after a later turn's."""
+        return self.conversation if self.turn == 0 else f"{self.conversation}/{self.turn}"
+
+
+def prompts_from(path, tokenizer, max_prompt_tokens: int, limit: int = 0, skip: int = 0, later_turns: bool = False) -> list[Prompt]:
+    """Each usable conversation's first user turn, and with `later_turns` each later one, in file order;
+    leaves out a prompt whose messages hold more than `max_prompt_tokens` tokens (the chat template's
+    own not counted), then the first `skip` usable prompts, and keeps `limit` of the rest (0: all).
+    Deterministic, so a resumed run sees the same list."""
+    found = []
     for index, record in enumerate(data.read_records(path or data.default_sharegpt_path())):
         messages = data.to_messages(record)
         if not messages or messages[0]["role"] != "user":
             continue
-        text = messages[0]["content"]
-        if len(tokenizer(text)["input_ids"]) > max_prompt_tokens:
-            continue
-        key = str(record.get("id", index)) if isinstance(record, dict) else str(index)
-        prompts.append((key, text))
-        if limit and len(prompts) >= skip + limit:
-            break
-    return prompts[skip:]
+        conversation = str(record.get("id", index)) if isinstance(record, dict) else str(index)
+        user_turns = [i for i, m in enumerate(messages) if m["role"] == "user"][: None if later_turns else 1]
+        tokens, counted = 0, 0
+        for turn, end in enumerate(user_turns):
+            tokens += sum(len(tokenizer(m["content"])["input_ids"]) for m in messages[counted : end + 1])
+            counted = end + 1
+            if tokens > max_prompt_tokens:
+                break  # every later turn holds this one
+            found.append(Prompt(conversation, turn, tuple(messages[: end + 1])))
+            if limit and len(found) >= skip + limit:
+                return found[skip:]
+    return found[skip:]
+
+
+def record_key(record: dict) -> str:
+    """The key of the prompt a written reply answers (`Prompt.key`)."""
+    return record["id"] if not record.get("turn") else f"{record['id']}/{record['turn']}"
 
 
 def answered_ids(out: Path) -> set[str]:
@@ -57,24 +87,25 @@ def answered_ids(out: Path) -> set[str]:
         with out.open("r+b") as f:
             f.truncate(len(complete))
     # Split on newlines only: the replies are written unescaped, and may hold U+2028 or U+0085, which splitlines() splits on.
-    return {json.loads(line)["id"] for line in complete.decode().split("\n") if line.strip()}
+    return {record_key(json.loads(line)) for line in complete.decode().split("\n") if line.strip()}
 
 
-def generate(model, prompts: list[tuple[str, str]], out: Path, options: DecodeOptions, batch: int, progress: bool = True) -> dict:
+def generate(model, prompts: list[Prompt], out: Path, options: DecodeOptions, batch: int, progress: bool = True) -> dict:
     """Answers the prompts not yet in `out`, `batch` at a time; returns tokens, seconds and tokens/s."""
     done = answered_ids(out)
-    todo = [(key, text) for key, text in prompts if key not in done]
+    todo = [prompt for prompt in prompts if prompt.key not in done]
     out.parent.mkdir(parents=True, exist_ok=True)
     tokens, seconds = 0, 0.0
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="replies", unit="reply", disable=not progress)
     with out.open("a") as f:
         for start in range(0, len(todo), batch):
             chunk = todo[start : start + batch]
-            conversations = [[{"role": "user", "content": text}] for _, text in chunk]
-            result = api.decode(model, conversations, options)
-            for (key, text), reply, count in zip(chunk, result.text, result.stats.generated_tokens, strict=True):
-                finish = "length" if count >= options.max_new_tokens else "stop"
-                line = {"id": key, "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": reply}], "finish": finish}
+            result = api.decode(model, [list(prompt.messages) for prompt in chunk], options)
+            for prompt, reply, count in zip(chunk, result.text, result.stats.generated_tokens, strict=True):
+                turns = [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in prompt.messages]
+                line = {"id": prompt.conversation, **({"turn": prompt.turn} if prompt.turn else {}),
+                        "conversations": [*turns, {"from": "gpt", "value": reply}],
+                        "finish": "length" if count >= options.max_new_tokens else "stop"}
                 f.write(json.dumps(line, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -96,7 +127,10 @@ def main(argv=None) -> int:
                    help="leave out the first N usable prompts (those another file answered); --limit counts after them")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="leave out prompts holding more tokens (with --later-turns, "
+                   "the whole history's)")
+    p.add_argument("--later-turns", action="store_true",
+                   help="answer every user turn of a conversation, after its history as the data holds it, not only the first")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy, as greedy verification wants")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-batch-1", type=int, default=0, metavar="N",
@@ -109,12 +143,12 @@ def main(argv=None) -> int:
         if model.tokenizer is None:
             raise data.DataError("the model has no tokenizer: replies to chat prompts need its chat template")
         options = DecodeOptions(method="ar", max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-        prompts = first_turns(args.data, model.tokenizer, args.max_prompt_tokens, args.limit, args.skip)
-        report = generate(model, prompts, Path(args.out), options, args.batch)
+        todo = prompts_from(args.data, model.tokenizer, args.max_prompt_tokens, args.limit, args.skip, args.later_turns)
+        report = generate(model, todo, Path(args.out), options, args.batch)
         print(f"{report['replies']} replies, {report['tokens']} tokens in {report['seconds']:.0f} s of decoding: "
               f"{report['tokens_per_s']:.1f} tokens/s at batch {args.batch}")
         if args.compare_batch_1:
-            singles = [api.decode(model, [{"role": "user", "content": text}], options) for _, text in prompts[: args.compare_batch_1]]
+            singles = [api.decode(model, list(prompt.messages), options) for prompt in todo[: args.compare_batch_1]]
             single = sum(len(o.tokens) for o in singles) / sum(o.stats.decode_seconds for o in singles)
             print(f"batch 1 on {len(singles)} of the prompts: {single:.1f} tokens/s; batch {args.batch}: "
                   f"{report['tokens_per_s'] / single:.2f}x that")

@@ -342,7 +342,7 @@ CLI_CASES = [
     ("train", ["--config.s3d.masking=random"], 2, "config.s3d.masking must be one of 'span', 'iid', got 'random'"),
     ("train", ["--config.s3d.gamma=0"], 2, "config.s3d.gamma must be an integer >= 1, got 0"),
     ("train", ["--config.s3d.skip=(3,)"], 2, "config.s3d.skip must be a pair (l, h) of layer indices"),
-    ("train", ["--config.data.loss_on=user"], 2, "config.data.loss_on must be one of 'assistant', 'all'"),
+    ("train", ["--config.data.loss_on=user"], 2, "config.data.loss_on must be one of 'assistant', 'last', 'all'"),
     ("train", ["--config.data.eval_fraction=1.0"], 2, "config.data.eval_fraction must be a number in [0, 1)"),
     ("train", ["--config.train.compute_dtype=int8"], 2, "config.train.compute_dtype must be one of"),
     ("train", ["--config.mesh.model=0"], 2, "config.mesh.model must be an integer >= 1"),

@@ -8,7 +8,7 @@ from reference import tiny_chat_model
 from s3d_jax import bundled, data, self_data
 from s3d_jax.options import DecodeOptions
 
-PROMPTS = [(f"p{i}", f"Question number {i}: what is {i} plus {i}?") for i in range(7)]
+PROMPTS = [self_data.Prompt(f"p{i}", 0, ({"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},)) for i in range(7)]
 OPTIONS = DecodeOptions(method="ar", max_new_tokens=6)
 pytestmark = pytest.mark.needs("bundled_model")  # its tokenizer and chat template
 
@@ -21,7 +21,7 @@ def test_replies_resume_after_a_cut_line_with_none_lost_or_repeated(tmp_path, ca
     model = tiny_chat_model()
     clean, resumed = tmp_path / "clean.jsonl", tmp_path / "resumed.jsonl"
     self_data.generate(model, PROMPTS, clean, OPTIONS, batch=3, progress=False)
-    assert [r["id"] for r in lines(clean)] == [key for key, _ in PROMPTS]
+    assert [r["id"] for r in lines(clean)] == [prompt.key for prompt in PROMPTS]
 
     # A run killed in its second batch: one whole batch written, then half of a line.
     self_data.generate(model, PROMPTS[:3], resumed, OPTIONS, batch=3, progress=False)
@@ -46,21 +46,55 @@ def test_batched_replies_equal_replies_one_at_a_time(tmp_path):
     assert lines(batched) == lines(single)
 
 
+def conversation(key, *texts):
+    roles = ["human", "gpt"]
+    return {"id": key, "conversations": [{"from": roles[i % 2], "value": text} for i, text in enumerate(texts)]}
+
+
 def test_first_turns_skip_long_prompts_and_keep_file_order(tmp_path):
     path = tmp_path / "convs.jsonl"
-    rows = [
-        {"id": "a", "conversations": [{"from": "human", "value": "short one"}, {"from": "gpt", "value": "ok"}]},
-        {"id": "b", "conversations": [{"from": "human", "value": "word " * 200}, {"from": "gpt", "value": "ok"}]},
-        {"id": "c", "conversations": [{"from": "gpt", "value": "no question"}]},
-        {"id": "d", "conversations": [{"from": "human", "value": "another"}, {"from": "gpt", "value": "fine"}]},
-    ]
+    rows = [conversation("a", "short one", "ok"), conversation("b", "word " * 200, "ok"),
+            {"id": "c", "conversations": [{"from": "gpt", "value": "no question"}]}, conversation("d", "another", "fine")]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    prompts = self_data.first_turns(path, bundled.tokenizer(), max_prompt_tokens=50)
-    assert prompts == [("a", "short one"), ("d", "another")]
+
+    def firsts(**kw):
+        return [(p.key, p.messages[-1]["content"]) for p in self_data.prompts_from(path, bundled.tokenizer(), max_prompt_tokens=50, **kw)]
+
+    assert firsts() == [("a", "short one"), ("d", "another")]
     # --skip counts usable prompts only, and --limit counts after it.
-    assert self_data.first_turns(path, bundled.tokenizer(), max_prompt_tokens=50, skip=1) == [("d", "another")]
-    assert self_data.first_turns(path, bundled.tokenizer(), max_prompt_tokens=50, limit=1, skip=1) == [("d", "another")]
-    assert self_data.first_turns(path, bundled.tokenizer(), max_prompt_tokens=50, limit=1) == [("a", "short one")]
+    assert firsts(skip=1) == [("d", "another")]
+    assert firsts(limit=1, skip=1) == [("d", "another")]
+    assert firsts(limit=1) == [("a", "short one")]
+
+
+def test_later_turns_follow_their_history_and_train_on_the_last_reply_only(tmp_path):
+    path, out = tmp_path / "convs.jsonl", tmp_path / "replies.jsonl"
+    rows = [conversation("a", "first question", "first answer", "second question", "second answer", "word " * 200, "third answer"),
+            conversation("b", "only question", "only answer")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = self_data.prompts_from(path, bundled.tokenizer(), max_prompt_tokens=50, later_turns=True)
+    # a's third turn holds more than 50 tokens with its history; each turn keeps the history before it.
+    assert [p.key for p in prompts] == ["a", "a/1", "b"]
+    assert [m["content"] for m in prompts[1].messages] == ["first question", "first answer", "second question"]
+    assert self_data.prompts_from(path, bundled.tokenizer(), max_prompt_tokens=50, later_turns=True, skip=1, limit=1) == prompts[1:2]
+
+    model = tiny_chat_model()
+    self_data.generate(model, prompts[:2], out, OPTIONS, batch=2, progress=False)
+    written = lines(out)
+    assert [(r["id"], r.get("turn", 0)) for r in written] == [("a", 0), ("a", 1)]  # split with its conversation, by id
+    assert self_data.answered_ids(out) == {"a", "a/1"}
+    assert self_data.generate(model, prompts, out, OPTIONS, batch=2, progress=False)["replies"] == 1  # resumes at b
+
+    # The later turn's history holds the data's reply; only the model's own, the last, is a target under "last".
+    tokenizer = bundled.tokenizer()
+    messages = data.to_messages(written[1])
+    assert messages[1]["content"] == "first answer" and messages[3]["content"] == written[1]["conversations"][-1]["value"]
+    ids, every_reply = data.tokenize(tokenizer, messages, "assistant")
+    _, last_reply = data.tokenize(tokenizer, messages, "last")
+    assert all(every_reply[i] for i, on in enumerate(last_reply) if on)
+    data_reply = [i for i, on in enumerate(every_reply) if on and not last_reply[i]]
+    assert data_reply and max(data_reply) < last_reply.index(True)  # the data's reply, before it, is no target
+    assert tokenizer.decode([t for t, on in zip(ids, last_reply, strict=True) if on]).startswith(messages[3]["content"])
 
 
 def test_resume_reads_replies_that_hold_unicode_line_separators(tmp_path):

