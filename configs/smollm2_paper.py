@@ -1,6 +1,6 @@
 """The shipped SmolLM2 drafter's recipe at the paper's scale, for a GPU: the model's own replies to every
 ShareGPT user turn that fits, one epoch of batch 64 at 2,048 tokens as the paper trains: about 15M reply
-tokens among some 43M (estimates: the replies' lengths decide), weeks on 2 CPU cores, hours on one GPU.
+tokens among some 43M (estimates: the replies' lengths decide), days on 2 CPU cores, hours on one GPU.
 
     python -m s3d_jax.self_data --out runs/smollm2_replies_paper.jsonl --later-turns --batch 256 \\
         --max-new-tokens 512 --max-prompt-tokens 1536
