@@ -148,6 +148,11 @@ def tokenize(tokenizer, messages: list[dict], loss_on: str) -> tuple[list[int], 
     return ids, mask
 
 
+def conversation_id(record, index: int) -> str:
+    """What the held-out split hashes: the record's own id, or its place in the file."""
+    return str(record.get("id", index)) if isinstance(record, dict) else str(index)
+
+
 def is_held_out(key: str, eval_fraction: float) -> bool:
     """A fixed split: a hash of the conversation's id, not its position or the seed."""
     digest = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16)
@@ -216,8 +221,7 @@ def load_dataset(path, tokenizer, *, max_len: int, loss_on: str = "assistant", p
         ids, mask = tokenize(tokenizer, messages, loss_on)
         if not any(mask[1:max_len]):
             continue  # nothing to learn within max_len
-        key = str(record.get("id", index)) if isinstance(record, dict) else str(index)
-        (held_out if is_held_out(key, eval_fraction) else train).append((ids, mask))
+        (held_out if is_held_out(conversation_id(record, index), eval_fraction) else train).append((ids, mask))
     if not train:
         raise DataError(f"{path} holds no usable conversation ({len(records)} records read)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -40,8 +40,13 @@ class Prompt:
 
     @property
     def key(self) -> str:
-        """What a resumed run knows the prompt by: the id, with `/turn` after a later turn's."""
-        return self.conversation if self.turn == 0 else f"{self.conversation}/{self.turn}"
+        return prompt_key(self.conversation, self.turn)
+
+
+def prompt_key(conversation: str, turn: int) -> str:
+    """What a resumed run knows a prompt, and the reply written to it, by: the conversation's id, with
+    `/turn` after a later turn's."""
+    return conversation if turn == 0 else f"{conversation}/{turn}"
 
 
 def prompts_from(path, tokenizer, max_prompt_tokens: int, limit: int = 0, skip: int = 0, later_turns: bool = False) -> list[Prompt]:
@@ -54,7 +59,7 @@ def prompts_from(path, tokenizer, max_prompt_tokens: int, limit: int = 0, skip: 
         messages = data.to_messages(record)
         if not messages or messages[0]["role"] != "user":
             continue
-        conversation = str(record.get("id", index)) if isinstance(record, dict) else str(index)
+        conversation = data.conversation_id(record, index)
         user_turns = [i for i, m in enumerate(messages) if m["role"] == "user"][: None if later_turns else 1]
         tokens, counted = 0, 0
         for turn, end in enumerate(user_turns):
@@ -66,11 +71,6 @@ def prompts_from(path, tokenizer, max_prompt_tokens: int, limit: int = 0, skip: 
             if limit and len(found) >= skip + limit:
                 return found[skip:]
     return found[skip:]
-
-
-def record_key(record: dict) -> str:
-    """The key of the prompt a written reply answers (`Prompt.key`)."""
-    return record["id"] if not record.get("turn") else f"{record['id']}/{record['turn']}"
 
 
 def answered_ids(out: Path) -> set[str]:
@@ -87,7 +87,8 @@ def answered_ids(out: Path) -> set[str]:
         with out.open("r+b") as f:
             f.truncate(len(complete))
     # Split on newlines only: the replies are written unescaped, and may hold U+2028 or U+0085, which splitlines() splits on.
-    return {record_key(json.loads(line)) for line in complete.decode().split("\n") if line.strip()}
+    records = [json.loads(line) for line in complete.decode().split("\n") if line.strip()]
+    return {prompt_key(r["id"], r.get("turn", 0)) for r in records}
 
 
 def generate(model, prompts: list[Prompt], out: Path, options: DecodeOptions, batch: int, progress: bool = True) -> dict:
