@@ -20,6 +20,7 @@ from s3d_jax import checkpoint
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import ConfigError, ModelConfig
 from s3d_jax.convert import convert, main
+from s3d_jax.convert.gguf_file import check_header
 
 # --------------------------------------------------------------------------------------------
 # Bad inputs: each names the problem.
@@ -158,6 +159,82 @@ def test_corrupt_gguf(tmp_path):
     bad.write_bytes(np.random.default_rng(0).bytes(4096))
     with pytest.raises(CheckpointError, match="bad.gguf"):
         convert(bad, tmp_path / "out", progress=False)
+
+
+def sample_gguf(path: Path) -> bytes:
+    """A small llama GGUF with each kind of header field: scalar, string and array metadata, an explicit
+    alignment, and two tensors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_uint32("general.alignment", 32)
+    writer.add_array("test.words", ["one", "two"])
+    writer.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))
+    writer.add_tensor("output.weight", np.ones((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+def after(name: bytes, skip: int = 0):
+    """The position `skip` bytes past the string `name` (its 8-byte length precedes it)."""
+    return lambda data: data.index(name) + len(name) + skip
+
+
+def before(name: bytes):
+    return lambda data: data.index(name) - 8
+
+
+U64_MAX = b"\xff" * 8
+# (the field, where it lies, the bytes written there, a fragment of the error)
+GGUF_CORRUPTIONS = [
+    ("tensor count", lambda d: 8, U64_MAX, "the tensor count is 18446744073709551615, more than"),
+    ("metadata count", lambda d: 16, U64_MAX, "the metadata count is 18446744073709551615, more than"),
+    ("version", lambda d: 4, (7).to_bytes(4, "little"), "the version is 7"),
+    ("key length", before(b"general.architecture"), U64_MAX, "metadata key 0's length is"),
+    ("value type", after(b"general.architecture"), (99).to_bytes(4, "little"), "has the unknown value type 99"),
+    ("string length", after(b"general.architecture", 4), U64_MAX, "metadata 'general.architecture''s length is"),
+    ("array item type", after(b"test.words", 4), (77).to_bytes(4, "little"), "is an array of the unknown value type 77"),
+    ("array length", after(b"test.words", 8), U64_MAX, "metadata 'test.words''s array length is"),
+    ("array item length", after(b"test.words", 16), U64_MAX, "metadata 'test.words'[0]'s length is"),
+    ("alignment", after(b"general.alignment", 4), (3).to_bytes(4, "little"), "metadata 'general.alignment' is 3, not a power of two"),
+    ("tensor name length", before(b"token_embd.weight"), U64_MAX, "tensor 0 name's length is"),
+    ("dimension count", after(b"token_embd.weight"), (9).to_bytes(4, "little"), "dimension count is 9, not 1 to 4"),
+    ("dimension", after(b"token_embd.weight", 4), U64_MAX, "'token_embd.weight')'s shape is [18446744073709551615, 4]"),
+    ("tensor type", after(b"token_embd.weight", 20), (999).to_bytes(4, "little"), "is the unknown tensor type 999"),
+    ("misaligned offset", after(b"output.weight", 24), (1).to_bytes(8, "little"), "offset is 1, not a multiple of the alignment 32"),
+    ("overlapping offset", after(b"output.weight", 24), (0).to_bytes(8, "little"), "offset is 0, inside the data of tensor 0"),
+    ("offset past the end", after(b"output.weight", 24), (1 << 40).to_bytes(8, "little"), "offset is 1099511627776, past the end"),
+]
+
+
+@pytest.mark.parametrize(("field", "where", "raw", "words"), GGUF_CORRUPTIONS, ids=[c[0] for c in GGUF_CORRUPTIONS])
+def test_a_gguf_header_that_lies_is_named_before_it_is_used(tmp_path, field, where, raw, words):
+    data = bytearray(sample_gguf(tmp_path / "good.gguf"))
+    at = where(bytes(data))
+    data[at : at + len(raw)] = raw
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="bad.gguf has a corrupt GGUF header: ") as caught:
+        convert(bad, tmp_path / "out", progress=False)
+    assert words in str(caught.value), str(caught.value)
+
+
+def test_a_lying_tensor_count_on_the_command_line_is_one_clear_error(tmp_path, capsys):
+    data = bytearray(sample_gguf(tmp_path / "good.gguf"))
+    data[8:16] = U64_MAX
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    assert main([str(tmp_path / "bad.gguf"), str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "the tensor count is 18446744073709551615" in err and "Traceback" not in err
+
+
+def test_a_good_gguf_passes_the_header_check(tmp_path):
+    sample_gguf(tmp_path / "good.gguf")
+    check_header(tmp_path / "good.gguf")  # raises on any field it doubts
 
 
 def test_non_llama_gguf(tmp_path):

@@ -2,6 +2,7 @@
 started as a subprocess on a tiny random model that has the bundled tokenizer."""
 
 import concurrent.futures
+import functools
 import signal
 import socket
 import subprocess
@@ -66,11 +67,16 @@ def start_server(model_dir, *extra) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
+def served(model_dir):
     process, url = start_server(model_dir)
-    yield url
+    yield process, url
     process.send_signal(signal.SIGTERM)
     process.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[1]
 
 
 def client(url, retries: int = 0) -> openai.OpenAI:
@@ -299,11 +305,85 @@ def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(monkeypatch
         assert ok.json()["choices"][0]["text"] == s3d_jax.decode(engine.model, QUESTIONS[0], method="ar", max_new_tokens=8).text
         counts = metrics_from(http.get("/metrics").text)
     assert counts[("s3d_requests_total", (("outcome", "error"),))] == 1 and counts[("s3d_requests_total", (("outcome", "ok"),))] == 1
+    assert requests_counted(counts) == 2  # the failed request once, as an error, not also as invalid
     assert np.isclose(counts[("s3d_batch_occupancy", ())], 0.0)
 
 
 def metrics_from(text: str) -> dict:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def requests_counted(counts: dict) -> int:
+    return sum(value for (name, _), value in counts.items() if name == "s3d_requests_total")
+
+
+# ------------------------------------------------------------------ hostile requests
+
+
+def rss_mib(process: subprocess.Popen) -> float:
+    status = open(f"/proc/{process.pid}/status").read()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["declared", "chunked"])
+def test_a_huge_body_is_refused_with_413_unread_while_health_answers(served, chunked):
+    process, url = served
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"hello " * 8738133 + b'"}]}'  # 50 MB
+    before = rss_mib(process)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        content = (body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20)) if chunked else body
+        refused = pool.submit(httpx.post, f"{url}/v1/chat/completions", content=content, timeout=30,
+                              headers={"content-type": "application/json"})
+        health = [httpx.get(f"{url}/health", timeout=1).status_code for _ in range(3)]  # each within a second
+        response = refused.result()
+        seconds = time.monotonic() - start
+    error = response.json()["error"]
+    assert response.status_code == 413 and error["code"] == "request_too_large" and "--max-request-bytes" in error["message"]
+    assert seconds < 2 and health == [200] * 3
+    assert rss_mib(process) - before < 100
+
+
+def test_a_prompt_too_long_for_the_window_is_refused_before_it_is_tokenized(server):
+    response = httpx.post(f"{server}/v1/completions", json={"model": NAME, "prompt": "hello " * 100_000}, timeout=30)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert "the prompt's 600000 characters are more than that many tokens can hold" in error["message"]
+
+
+def test_any_integer_seed_is_taken_modulo_2_to_the_32(server):
+    def sample(seed):
+        body = {"model": NAME, "prompt": QUESTIONS[6], "max_tokens": 8, "temperature": 0.9, "seed": seed}
+        response = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    assert sample(2**64 + 7) == sample(7) == sample(2**32 + 7)
+    assert sample(-1) == sample(2**32 - 1)
+    for seed in (2**63, 2**70):
+        sample(seed)
+    for bad in ("7", 7.5, True):
+        response = httpx.post(f"{server}/v1/completions", json={"model": NAME, "prompt": "hi", "seed": bad}, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "seed"
+
+
+def test_every_request_is_counted_once_under_one_outcome(server):
+    before = requests_counted(metrics(server))
+    post = functools.partial(httpx.post, timeout=60)
+    chat = f"{server}/v1/chat/completions"
+    hi = [{"role": "user", "content": "hi"}]
+    sent = [
+        post(chat, json={"model": NAME, "messages": hi, "max_tokens": 4}),  # ok
+        post(chat, json={"model": NAME, "messages": hi, "max_tokens": 4, "temperature": 0.5, "seed": 2**70}),  # ok, sampled
+        post(chat, json={"model": NAME, "messages": hi, "max_tokens": 4, "stream": True}),  # ok, streamed
+        post(chat, content=b'{"model": ', headers={"content-type": "application/json"}),  # not JSON
+        post(chat, json={"model": NAME, "messages": hi, "seed": "7"}),  # a bad type
+        post(chat, json={"model": "gpt-4", "messages": hi}),  # no such model
+        post(chat, json={"model": NAME, "messages": [{"role": "user", "content": "word " * MAX_LEN}]}),  # over the window
+        post(chat, content=b"{" + b" " * (8 << 20) + b"}", headers={"content-type": "application/json"}),  # over the body limit
+    ]
+    assert [r.status_code for r in sent] == [200, 200, 200, 400, 400, 404, 400, 413]
+    assert requests_counted(metrics(server)) - before == len(sent)
 
 
 

@@ -16,6 +16,7 @@ head_dim**-0.5, except the 27B models (46 and 62 layers), which use (hidden / he
 from __future__ import annotations
 
 import re
+import struct
 import warnings
 from pathlib import Path
 
@@ -60,12 +61,10 @@ def read_gguf(path: Path, keep_groups: bool = False) -> HFSource:
     (no float copy), else every tensor dequantized to float32."""
     import gguf  # ~0.25 s to import; only GGUF sources need it
 
+    check_header(path)
     try:
         reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # bad magic, truncated data: numpy and struct errors.
-        expected, found = _expected_size(path), path.stat().st_size
-        if expected is not None and found < expected:
-            raise CheckpointError(f"{path} is truncated: its header describes {expected} bytes, the file has {found}") from None
+    except Exception as e:  # what the header check cannot see: a key that is not UTF-8, a name given twice
         raise CheckpointError(f"cannot read {path} as a GGUF file: {type(e).__name__}: {e}") from None
 
     def field(key: str, default=None):
@@ -198,60 +197,122 @@ def _tokenizer(path: Path):
         return None
 
 
-def _expected_size(path: Path) -> int | None:
-    """The bytes a GGUF file's header says it holds (header, metadata, tensor infos, aligned data),
-    read from the header alone; None where the header itself is cut off or not GGUF."""
-    import struct
+class _Header:
+    """A cursor over a GGUF file's header that checks each count, length, offset and shape it reads
+    against the file's size before anything uses it: the gguf package trusts them, and a lying count
+    becomes an OverflowError or an allocation of exabytes deep inside numpy."""
+
+    MIN_KV_BYTES = 8 + 4 + 1  # a key's length, its value's type, a one-byte value
+    MIN_TENSOR_BYTES = 8 + 4 + 8 + 4 + 8  # a name's length, the dimension count, one dimension, the type, the offset
+    MAX_DIMS = 4  # GGML_MAX_DIMS
+
+    def __init__(self, path: Path, data):
+        self.path, self.data, self.size, self.at = path, data, len(data), 0
+
+    def fail(self, field: str, problem: str):
+        raise CheckpointError(f"{self.path} has a corrupt GGUF header: {field} {problem} (the file has {self.size} bytes)")
+
+    def take(self, fmt: str, field: str):
+        n = struct.calcsize("<" + fmt)
+        if self.at + n > self.size:
+            self.fail(field, f"at byte {self.at} runs past the end of the file")
+        value = struct.unpack_from("<" + fmt, self.data, self.at)[0]
+        self.at += n
+        return value
+
+    def count(self, field: str, each: int) -> int:
+        """A count of items of at least `each` bytes, checked to fit in what is left of the file."""
+        n = self.take("Q", field)
+        if n * each > self.size - self.at:
+            self.fail(field, f"is {n}, more than the {self.size - self.at} bytes left could hold")
+        return n
+
+    def string(self, field: str) -> bytes:
+        n = self.count(f"{field}'s length", 1)
+        self.at += n
+        return bytes(self.data[self.at - n : self.at])
+
+    def value(self, kind: int, field: str):
+        """Reads (or skips) one metadata value; returns it only where the header's own walk needs it."""
+        if kind == _STRING:
+            return self.string(field)
+        if kind == _ARRAY:
+            item = self.take("I", f"{field}'s item type")
+            if item not in _SCALARS and item not in (_STRING, _ARRAY):
+                self.fail(field, f"is an array of the unknown value type {item}")
+            width = struct.calcsize("<" + _SCALARS[item]) if item in _SCALARS else None
+            n = self.count(f"{field}'s array length", width or 8)
+            if width:
+                self.at += n * width
+            else:
+                for i in range(n):
+                    self.value(item, f"{field}[{i}]")
+            return None
+        if kind not in _SCALARS:
+            self.fail(field, f"has the unknown value type {kind}")
+        return self.take(_SCALARS[kind], field)
+
+
+# GGUF's metadata value types (the spec's numbering): struct formats of the scalars, and the two others.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def check_header(path: Path) -> None:
+    """Checks a GGUF file's header against the file before the gguf package reads it: the magic and
+    version, the tensor and metadata counts, every string and array length, the alignment, and each
+    tensor's dimensions, type and data range. Raises CheckpointError naming the field and the file."""
+    import mmap
 
     import gguf
 
-    scalar = {gguf.GGUFValueType.UINT8: 1, gguf.GGUFValueType.INT8: 1, gguf.GGUFValueType.UINT16: 2, gguf.GGUFValueType.INT16: 2,
-              gguf.GGUFValueType.UINT32: 4, gguf.GGUFValueType.INT32: 4, gguf.GGUFValueType.FLOAT32: 4, gguf.GGUFValueType.BOOL: 1,
-              gguf.GGUFValueType.UINT64: 8, gguf.GGUFValueType.INT64: 8, gguf.GGUFValueType.FLOAT64: 8}
-    data = path.read_bytes()  # only on a file that failed to read, to name what is missing
-    at = 0
-
-    def take(fmt: str):
-        nonlocal at
-        values = struct.unpack_from("<" + fmt, data, at)
-        at += struct.calcsize("<" + fmt)
-        return values[0] if len(values) == 1 else values
-
-    def string() -> bytes:
-        nonlocal at
-        n = take("Q")
-        at += n
-        return data[at - n: at]
-
-    def skip_value(kind: int):
-        nonlocal at
-        if kind == gguf.GGUFValueType.STRING:
-            string()
-        elif kind == gguf.GGUFValueType.ARRAY:
-            item, count = take("I"), take("Q")
-            for _ in range(count):
-                skip_value(item)
-        else:
-            at += scalar[gguf.GGUFValueType(kind)]
-
-    try:
-        if take("4s") != b"GGUF":
-            return None
-        _, tensors, kvs = take("I"), take("Q"), take("Q")
-        alignment = gguf.GGUF_DEFAULT_ALIGNMENT
-        for _ in range(kvs):
-            key, kind = string(), take("I")
-            if key == b"general.alignment" and kind == gguf.GGUFValueType.UINT32:
-                alignment = take("I")
-            else:
-                skip_value(kind)
-        end = 0
-        for _ in range(tensors):
-            string()
-            dims = take(f"{take('I')}Q")
-            dims = dims if isinstance(dims, tuple) else (dims,)
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(take("I"))]
-            end = max(end, take("Q") + int(np.prod(dims)) // block * size)
-    except (struct.error, ValueError, KeyError):
-        return None
-    return at + (-at % alignment) + end
+    with open(path, "rb") as f:
+        if path.stat().st_size < 24:
+            raise CheckpointError(f"cannot read {path} as a GGUF file: {path.stat().st_size} bytes is too short for its header")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            h = _Header(path, data)
+            if h.take("4s", "magic") != b"GGUF":
+                raise CheckpointError(f"cannot read {path} as a GGUF file: it does not start with GGUF's magic bytes")
+            version = h.take("I", "the version")
+            if version not in (2, 3):
+                h.fail("the version", f"is {version}; GGUF versions 2 and 3 are read")
+            tensors = h.count("the tensor count", h.MIN_TENSOR_BYTES)
+            kvs = h.count("the metadata count", h.MIN_KV_BYTES)
+            alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+            for i in range(kvs):
+                key = h.string(f"metadata key {i}")
+                name = f"metadata {key.decode(errors='replace')!r}"
+                value = h.value(h.take("I", f"{name}'s type"), name)
+                if key == b"general.alignment":
+                    if not isinstance(value, int) or value < 1 or value & (value - 1):
+                        h.fail(name, f"is {value!r}, not a power of two")
+                    alignment = value
+            spans = []
+            for i in range(tensors):
+                name = f"tensor {i} ({h.string(f'tensor {i} name').decode(errors='replace')!r})"
+                dims = h.take("I", f"{name}'s dimension count")
+                if not 1 <= dims <= h.MAX_DIMS:
+                    h.fail(f"{name}'s dimension count", f"is {dims}, not 1 to {h.MAX_DIMS}")
+                shape = [h.take("Q", f"{name}'s dimension {d}") for d in range(dims)]
+                kind = h.take("I", f"{name}'s type")
+                if kind not in gguf.GGMLQuantizationType._value2member_map_:
+                    h.fail(f"{name}'s type", f"is the unknown tensor type {kind}")
+                block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+                elements = int(np.prod(shape, dtype=object))
+                if min(shape) < 1 or shape[0] % block or elements // block * block_bytes >= 1 << 63:  # llama.cpp's bound
+                    h.fail(f"{name}'s shape", f"is {shape}, not whole {gguf.GGMLQuantizationType(kind).name} blocks of {block} "
+                           "below 2**63 bytes")
+                offset = h.take("Q", f"{name}'s offset")
+                if offset % alignment:
+                    h.fail(f"{name}'s offset", f"is {offset}, not a multiple of the alignment {alignment}")
+                spans.append((offset, offset + elements // block * block_bytes, name))
+            start = h.at + (-h.at % alignment)
+            spans.sort()
+            for (_, end, first), (offset, _, second) in zip(spans, spans[1:]):
+                if offset < end:
+                    h.fail(f"{second}'s offset", f"is {offset}, inside the data of {first}")
+            end = max((e for _, e, _ in spans), default=0)
+            if start + end > h.size:
+                if spans and start + spans[-1][0] >= h.size:
+                    h.fail(f"{spans[-1][2]}'s offset", f"is {spans[-1][0]}, past the end of the file's data")
+                raise CheckpointError(f"{path} is truncated: its header describes {start + end} bytes, the file has {h.size}")

@@ -31,6 +31,9 @@ def parse_args(argv=None):
                    help="the context window: prompt + reply + draft block (default: 2048, or the model's context if smaller)")
     p.add_argument("--chunk", type=positive_int, default=4, help="iterations between the engine's looks at its requests")
     p.add_argument("--max-lanes", type=positive_int, default=2, help="sampling settings decoded at once (one loop each)")
+    p.add_argument("--max-request-bytes", type=positive_int, default=None,
+                   help="larger request bodies are refused with 413 unread (default: what a full context window can need, "
+                        "about 3 MB for the bundled model at 2048 positions)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model directory's name)")
     return p.parse_args(argv)
 
@@ -58,7 +61,8 @@ def main(argv=None) -> int:
         defaults = Defaults(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         # uvicorn finishes the requests in flight on SIGTERM, then raises the signal again: end with 0, not killed.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        uvicorn.run(create_app(engine, name, defaults), host=args.host, port=args.port, log_level="info", access_log=False)
+        app = create_app(engine, name, defaults, max_request_bytes=args.max_request_bytes)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
     except ValueError as e:  # ConfigError and CheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+from collections.abc import Callable
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -17,6 +18,7 @@ from starlette.exceptions import HTTPException
 
 from s3d_jax import api
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
+from s3d_jax.options import SEED_LIMIT
 from s3d_jax.serve import protocol
 from s3d_jax.serve.engine import Delta, Engine, QueueFull, Request
 
@@ -34,16 +36,31 @@ class Defaults:
     seed: int = 0
 
 
+def default_max_request_bytes(engine: Engine) -> int:
+    """The largest body a full context window can need, with room to spare: `max_len` tokens of the
+    vocabulary's longest token, each character JSON-escaped at up to 12 bytes, and 1 MiB for the rest."""
+    return engine.max_len * longest_token_chars(engine.model.tokenizer) * 12 + (1 << 20)
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token can stand for. A vocabulary entry is at least as long as
+    the text it decodes to (byte-level entries spell each byte with one character), so this bounds it."""
+    return max(map(len, tokenizer.get_vocab()))
+
+
 class Refused(Exception):
     """A request answered with an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None, headers=None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None, headers=None,
+                 counted: bool = False):
         super().__init__(message)
         self.status, self.body, self.headers = status, protocol.error_body(message, kind, param, code), headers
+        self.counted = counted  # the engine took the request and has counted its outcome
 
 
-def create_app(engine: Engine, model_name: str, defaults: Defaults = Defaults()) -> FastAPI:
-    """The ASGI app. The engine is started by the caller and stopped, after the last response, on shutdown."""
+def create_app(engine: Engine, model_name: str, defaults: Defaults = Defaults(), max_request_bytes: int | None = None) -> FastAPI:
+    """The ASGI app. The engine is started by the caller and stopped, after the last response, on shutdown.
+    A body over `max_request_bytes` (default: `default_max_request_bytes`) is refused with 413 unread."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -51,11 +68,15 @@ def create_app(engine: Engine, model_name: str, defaults: Defaults = Defaults())
         await asyncio.to_thread(engine.stop, True)  # after uvicorn has finished the requests in flight
 
     app = FastAPI(title="s3d-jax", lifespan=lifespan)
-    outcomes = engine.totals.requests
+    outcomes = engine.totals.requests  # a request the engine took is counted there, once, when it ends
+    max_prompt_chars = engine.max_len * longest_token_chars(engine.model.tokenizer)
+    app.add_middleware(BodyLimit, limit=max_request_bytes or default_max_request_bytes(engine),
+                       refused=lambda: outcomes.update(invalid=1))
 
     @app.exception_handler(Refused)
     async def refused(_, e: Refused):
-        outcomes["refused" if e.status in (429, 503) else "invalid"] += 1
+        if not e.counted:
+            outcomes["refused" if e.status in (429, 503) else "invalid"] += 1
         return JSONResponse(e.body, e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -91,24 +112,31 @@ def create_app(engine: Engine, model_name: str, defaults: Defaults = Defaults())
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, http: HTTPRequest):
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        ids = _encode(engine, messages, chat=True)
+        ids = await _encode(engine, messages, sum(len(m["content"]) for m in messages), max_prompt_chars, chat=True)
         return await _complete(engine, model_name, defaults, body, ids, http, chat=True,
                                max_tokens=body.max_completion_tokens or body.max_tokens)
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, http: HTTPRequest):
         prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
-        ids = _encode(engine, prompt, chat=False)
+        ids = await _encode(engine, prompt, len(prompt), max_prompt_chars if isinstance(prompt, str) else engine.max_len, chat=False)
         return await _complete(engine, model_name, defaults, body, ids, http, chat=False, max_tokens=body.max_tokens)
 
     return app
 
 
-def _encode(engine: Engine, prompt, chat: bool) -> list[int]:
+async def _encode(engine: Engine, prompt, length: int, max_length: int, chat: bool) -> list[int]:
+    """The prompt's token ids, tokenized (and templated) off the event loop's thread. A prompt longer than
+    `max_length` (characters, or token ids) cannot fit the window and is refused before any of it is read."""
+    param = "messages" if chat else "prompt"
+    if length > max_length:
+        unit = "characters" if chat or isinstance(prompt, str) else "token ids"
+        raise Refused(400, f"this model's context window is {engine.max_len} tokens; the prompt's {length} {unit} are more than "
+                      f"that many tokens can hold", param=param, code="context_length_exceeded")
     try:
-        (ids,), _ = api.encode(engine.model, prompt, chat)
+        (ids,), _ = await asyncio.to_thread(api.encode, engine.model, prompt, chat)
     except (ValueError, TypeError) as e:
-        raise Refused(400, str(e), param="messages" if chat else "prompt") from None
+        raise Refused(400, str(e), param=param) from None
     return ids
 
 
@@ -127,7 +155,7 @@ async def _complete(engine: Engine, model_name: str, defaults: Defaults, body: p
     temperature = defaults.temperature if body.temperature is None else body.temperature
     request = Request(ids, min(max_tokens or defaults.max_tokens, room), lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d),
                       temperature=temperature, top_p=defaults.top_p if body.top_p is None else body.top_p,
-                      seed=defaults.seed if body.seed is None else body.seed, stop=body.stops())
+                      seed=(defaults.seed if body.seed is None else body.seed) % SEED_LIMIT, stop=body.stops())
     try:
         engine.submit(request)
     except QueueFull as e:
@@ -152,7 +180,7 @@ async def _complete(engine: Engine, model_name: str, defaults: Defaults, body: p
     finally:
         request.cancelled.set()  # a no-op once finished; else (a disconnect) the engine frees the slot at its next chunk
     if last.error:
-        raise Refused(500, last.error, "server_error")
+        raise Refused(500, last.error, "server_error", counted=True)
     return reply.whole(text, last.finish_reason, last.prompt_tokens, last.completion_tokens)
 
 
@@ -179,6 +207,51 @@ async def _stream(request: Request, deltas: asyncio.Queue, reply: protocol.Reply
         yield "data: [DONE]\n\n"
     finally:
         request.cancelled.set()  # the client went away mid-stream, or it ended: the slot is freed either way
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered with 413 and an OpenAI error body,
+    by its Content-Length before any of it is read, or (a chunked body) as soon as it passes the limit.
+    What passes is held once, at most `limit` bytes, and handed on whole."""
+
+    def __init__(self, app, limit: int, refused: Callable[[], None]):
+        self.app, self.limit, self.refused = app, limit, refused
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.limit:
+            return await self.refuse(send, declared.decode("latin-1"))
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size, more = size + len(chunks[-1]), message.get("more_body", False)
+            if size > self.limit:
+                return await self.refuse(send, f"more than {size}")
+        body, handed = b"".join(chunks), False
+        del chunks
+
+        async def once():
+            nonlocal handed
+            if handed:
+                return await receive()  # after the body, only a disconnect is left to wait for
+            handed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, once, send)
+
+    async def refuse(self, send, size: str):
+        self.refused()
+        payload = json.dumps(protocol.error_body(f"the request body ({size} bytes) is over this server's limit of {self.limit} "
+                                                 "bytes (--max-request-bytes)", code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": payload})
 
 
 class _Collector:
