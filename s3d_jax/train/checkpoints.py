@@ -34,8 +34,8 @@ def load_base_model(cfg: ml_collections.ConfigDict) -> Model:
     """The model to train, with its tokenizer: a converted checkpoint, the bundled SmolLM2, or a
     random one (`model_path: ''`). Its params are float32 master weights (plus fresh adapters)."""
     held = cfg.base_dtype if cfg.base_dtype in QUANTIZED_DTYPES else None  # QLoRA: the projections stay quantized
-    if cfg.model_path == "bundled":
-        model = bundled.load(dtype=held)  # int4: the GGUF's own blocks
+    if cfg.model_path == "bundled" or bundled.is_name(cfg.model_path):  # int4: the GGUF's own blocks
+        model = bundled.load(dtype=held, model=bundled.named(None if cfg.model_path == "bundled" else cfg.model_path))
     elif cfg.model_path:
         model = checkpoint.load(cfg.model_path, dtype=held)
     else:

@@ -28,7 +28,7 @@ def sibling_config(config_file: str, name: str) -> ml_collections.ConfigDict:
 def default_config() -> ml_collections.ConfigDict:
     """Every field a training config has; config files start from this and change what they need."""
     c = ml_collections.ConfigDict()
-    c.model_path = ""  # a converted model directory, "bundled" (SmolLM2), or "" for a random model from `model`
+    c.model_path = ""  # a converted model directory, a model's name (bundled.MODELS), "bundled" (SmolLM2), or "" for a random model
     c.model = ml_collections.ConfigDict(dict(architecture="llama", vocab_size=0, hidden_size=0, intermediate_size=0,
                                              num_layers=0, num_heads=0, num_kv_heads=0, head_dim=0, rope_theta=10000.0,
                                              rms_norm_eps=1e-5, tie_embeddings=False, max_position_embeddings=4096,

