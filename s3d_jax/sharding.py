@@ -46,8 +46,15 @@ def make_mesh(m) -> jax.sharding.Mesh:
     data_axis = m.data if m.data > 0 else len(devices) // model
     if data_axis * model != len(devices):
         raise ConfigError(f"mesh data={data_axis} x model={model} does not match the {len(devices)} devices")
-    auto = (jax.sharding.AxisType.Auto,) * 2  # shardings propagate; the model code stays unannotated
-    return jax.make_mesh((data_axis, model), ("data", "model"), axis_types=auto)
+    return auto_axes(jax.make_mesh((data_axis, model), ("data", "model")))
+
+
+def auto_axes(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """`mesh` over the same devices with every axis Auto. `jax.make_mesh` makes Explicit axes by default,
+    under which every operation must state its output's sharding; the model code is unannotated and
+    leaves the shardings to propagate from the weights', so a mesh of either kind decodes alike."""
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    return mesh if tuple(mesh.axis_types) == auto else jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
 def spec_for(path: str, shape, axis_sizes: Mapping[str, int], fsdp: bool) -> P:
@@ -64,6 +71,7 @@ def spec_for(path: str, shape, axis_sizes: Mapping[str, int], fsdp: bool) -> P:
 
 def shardings(tree, mesh: jax.sharding.Mesh, fsdp: bool):
     """A NamedSharding for every leaf of `tree` (parameters, or a state holding them)."""
+    mesh = auto_axes(mesh)
     return jax.tree_util.tree_map_with_path(
         lambda path, x: NamedSharding(mesh, spec_for(jax.tree_util.keystr(path), x.shape, mesh.shape, fsdp)), tree
     )
@@ -72,7 +80,7 @@ def shardings(tree, mesh: jax.sharding.Mesh, fsdp: bool):
 def split_over_data(rows: dict, mesh: jax.sharding.Mesh, accum: int) -> dict:
     """Global `[accum, B, T]` arrays from `[accum * B, T]` rows, split over the data axis (each host
     builds only its own shards)."""
-    sharding = NamedSharding(mesh, P(None, "data"))
+    sharding = NamedSharding(auto_axes(mesh), P(None, "data"))
 
     def put(x):
         x = x.reshape(accum, -1, *x.shape[1:])
@@ -103,7 +111,7 @@ def decode_mesh(mesh) -> jax.sharding.Mesh | None:
     if mesh is None or isinstance(mesh, jax.sharding.Mesh):
         if mesh is not None and "model" not in mesh.shape:
             raise ConfigError(f"a decoding mesh needs a 'model' axis (and optionally 'data'), got axes {tuple(mesh.shape)}")
-        return mesh
+        return None if mesh is None else auto_axes(mesh)
     if not isinstance(mesh, str):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, text such as 'model=2', or None; got {type(mesh).__name__}")
     sizes = {"data": 1, "model": 1}

@@ -197,10 +197,14 @@ trainer = Trainer(base.config, objective, optimizer, masks, "float32")
 rows, _ = data.load_dataset(cfg.data.path, base.tokenizer, max_len=64, max_conversations=40, progress=False)
 batch_rows = rows.take(np.arange(4))
 out = {}
-for name, shape, fsdp in [("single", (1, 1), False), ("data4_fsdp", (4, 1), True), ("data2_model2", (2, 2), True)]:
+meshes = [("single", (1, 1), False), ("data4_fsdp", (4, 1), True), ("data2_model2", (2, 2), True), ("explicit_axes", (2, 2), True)]
+for name, shape, fsdp in meshes:
     cfg.mesh.data, cfg.mesh.model, cfg.mesh.fsdp = shape[0], shape[1], fsdp
     if name == "single":
         mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    elif name == "explicit_axes":
+        mesh = jax.make_mesh(shape, ("data", "model"))  # Explicit axes, jax.make_mesh's default
+        assert jax.sharding.AxisType.Explicit in mesh.axis_types
     else:
         mesh = make_mesh(cfg.mesh)
     abstract = jax.eval_shape(trainer.init, base.params, 0)
@@ -224,7 +228,7 @@ def test_sharded_step_equals_unsharded():
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert "data" in out["data4_fsdp"]["spec"] and "model" in out["data2_model2"]["spec"], "parameters really are sharded"
-    for name in ("data4_fsdp", "data2_model2"):
+    for name in ("data4_fsdp", "data2_model2", "explicit_axes"):
         assert out[name]["loss"] == pytest.approx(out["single"]["loss"], rel=1e-5)
         for k, ref in out["single"]["params"].items():
             np.testing.assert_allclose(np.asarray(out[name]["params"][k]), np.asarray(ref), rtol=1e-5, atol=1e-6, err_msg=f"{name} {k}")
