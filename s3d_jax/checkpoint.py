@@ -56,8 +56,10 @@ def save(path: str | os.PathLike, params, config: ModelConfig, tokenizer=None, o
     path = Path(path).absolute()
     check_params(params, config)
     with atomic_dir(path, overwrite) as tmp:
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(tmp / PARAMS_DIR, params)
+        # Synchronous, with at most 1 GB in flight: an async save copies every array first, and an
+        # unbounded one encodes them all at once, each costing the model's size again at the peak.
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler(save_concurrent_gb=1)) as ckptr:
+            ckptr.save(tmp / PARAMS_DIR, args=ocp.args.StandardSave(params))
         (tmp / CONFIG_FILE).write_text(json.dumps({"format": FORMAT, **json.loads(config.to_json())}, indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))

@@ -210,8 +210,7 @@ def _each(fn, arrays, pieces: int | None = None):
 
 def join_parts(flat: dict, config: ModelConfig) -> dict:
     """A flat `/`-named params dict holding the parts of the fused weights, with each group of parts
-    replaced by its fused weight (a layer at a time, so the model is never held twice)."""
-    flat = dict(flat)
+    replaced by its fused weight, in place (a layer at a time, so the model is never held twice)."""
     for layer in sorted({path.split("/", 1)[0] + "/" for path in flat if path.startswith("layer_")}):
         for name, fused in FUSED.items():
             paths = [layer + part for part in fused.parts]
@@ -238,15 +237,20 @@ def split_parts(flat: dict, config: ModelConfig) -> dict:
 
 def stack_layers(flat: dict, config: ModelConfig) -> dict:
     """A flat `/`-named params dict with a layer's weights under `layer_{i}/` (an HF checkpoint's
-    order) as the model's layer stack: `layers/<name>` `[L, ...]`, one name at a time."""
-    flat, per_layer = dict(flat), {}
+    order) as the model's layer stack, in place: `layers/<name>` `[L, ...]`, each layer's weight
+    copied into the stack and let go, so the model is held once and one layer's weight besides."""
+    per_layer = {}
     for path in [p for p in flat if p.startswith("layer_")]:
         layer, name = path.split("/", 1)
         per_layer.setdefault(name, {})[int(layer.removeprefix("layer_"))] = flat.pop(path)
-    for name, layers in per_layer.items():
+    for name in list(per_layer):
+        layers = per_layer.pop(name)
         if sorted(layers) != list(range(config.num_layers)):
             raise CheckpointError(f"weight {name} is held by layers {sorted(layers)}, and the config has {config.num_layers} layers")
-        flat["layers/" + name] = jax.tree.map(lambda *xs: np.stack(xs), *(layers.pop(i) for i in range(config.num_layers)))
+        stack = jax.tree.map(lambda x: np.empty((config.num_layers, *x.shape), x.dtype), layers[0])
+        for i in range(config.num_layers):
+            jax.tree.map(lambda whole, x, i=i: whole.__setitem__(i, x), stack, layers.pop(i))
+        flat["layers/" + name] = stack
     return flat
 
 
@@ -304,7 +308,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray | GroupedTensor], config: Mo
     for kind, errors in requantized.items():  # the nearest format, with the error it costs
         warnings.warn(f"{len(errors)} {kind} weights are not {config.dtype}'s blocks: quantized again from their values, "
                       f"relative RMS rounding error {np.mean(errors):.2%} on average, {max(errors):.2%} at most", stacklevel=2)
-    return unflatten_dict(stack_layers(join_parts(flat, config), config), sep="/")
+    return unflatten_dict(stack_layers(join_parts(flat, config), config), sep="/")  # each step takes `flat`'s entries
 
 
 class _Spread(NamedTuple):
