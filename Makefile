@@ -10,7 +10,7 @@ PROMPT ?= Write a Python function that returns the n-th Fibonacci number, and ex
 # Test processes (pytest-xdist), one test file each: 2 fits the 2-core CI machine, where compiling keeps both cores busy.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-fast lint bench install drafter qwen
+.PHONY: demo test test-fast lint bench install drafter qwen qwen-drafter
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,3 +63,11 @@ drafter: install
 	$(PY) -m s3d_jax.self_data --out runs/smollm2_replies_4.jsonl --skip 11700 --limit 3200 --batch 64 --max-new-tokens 256 --max-prompt-tokens 192
 	$(PY) -m s3d_jax.train --config configs/smollm2_stage4.py --workdir runs/smollm2_drafter_4
 	$(PY) -m s3d_jax.predict --drafters runs/smollm2_drafter_4/drafter.safetensors --profile 24 --max-new-tokens 128
+
+# Qwen2.5-Coder-0.5B's drafter, its first stage (configs/qwen_coder.py): the model's own replies to
+# 1,600 ShareGPT prompts (about 300k tokens, three hours on 2 cores), the training run, then its
+# acceptance profile. Each step resumes a killed run. Not yet shipped: see docs/training.md.
+qwen-drafter: qwen
+	$(PY) -m s3d_jax.self_data --model qwen2.5-coder-0.5b --out runs/qwen_coder_replies_1.jsonl --limit 1600 --batch 64 --max-new-tokens 256 --max-prompt-tokens 192
+	$(PY) -m s3d_jax.train --config configs/qwen_coder.py --workdir runs/qwen_coder_drafter
+	$(PY) -m s3d_jax.predict --model qwen2.5-coder-0.5b --drafters runs/qwen_coder_drafter/drafter.safetensors --profile 24 --max-new-tokens 128

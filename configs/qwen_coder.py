@@ -1,0 +1,31 @@
+"""The first stage of a drafter for Qwen2.5-Coder-0.5B-Instruct (`s3d_jax.load("qwen2.5-coder-0.5b")`):
+the model's own greedy replies to ShareGPT prompts, in stages of at most about three hours of CPU each.
+
+    make qwen
+    python -m s3d_jax.self_data --model qwen2.5-coder-0.5b --out runs/qwen_coder_replies_1.jsonl --limit 1600 --batch 64 \
+        --max-new-tokens 256 --max-prompt-tokens 192
+    python -m s3d_jax.train --config configs/qwen_coder.py --workdir runs/qwen_coder_drafter
+    python -m s3d_jax.predict --model qwen2.5-coder-0.5b --drafters runs/qwen_coder_drafter/drafter.safetensors --profile 24 \
+        --max-new-tokens 128
+
+or `make qwen-drafter`. Every step resumes where a killed run stopped.
+
+SmolLM2's shipped recipe (configs/smollm2.py: the verifier's distribution as the target, LoRA rank 32,
+a draft head over the 8192 most frequent reply tokens) on the larger model. The reduced draft head
+matters more here: Qwen's untied head is 22% of its weights, and a draft pass over the full head costs
+0.66-0.79 plain steps on 2 cores (docs/models.md, "What a model four times larger changes"). The skip
+range is the paper's hypothesis, half the layers, centred (6-17 of 24); `python -m s3d_jax.predict`
+over short runs of this range, 4-19 and 8-15 (`--config.s3d.skip=4,19`) is what decides it.
+On the 2-core AMD EPYC of 2026-12-01 the model writes about 21 reply tokens/s at batch 32 in float32,
+so 1,600 prompts (about 300k tokens) take about three hours.
+"""
+
+from s3d_jax.train.config import sibling_config
+
+
+def get_config():
+    c = sibling_config(__file__, "smollm2")
+    c.model_path = "qwen2.5-coder-0.5b"
+    c.data.path = "runs/qwen_coder_replies_1.jsonl"
+    c.s3d.skip = (6, 17)  # 12 of 24 layers skipped, centred
+    return c
