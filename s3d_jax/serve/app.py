@@ -36,16 +36,17 @@ class Defaults:
     seed: int = 0
 
 
-def default_max_request_bytes(engine: Engine) -> int:
-    """The largest body a full context window can need, with room to spare: `max_len` tokens of the
-    vocabulary's longest token, each character JSON-escaped at up to 12 bytes, and 1 MiB for the rest."""
-    return engine.max_len * longest_token_chars(engine.model.tokenizer) * 12 + (1 << 20)
+def max_prompt_chars(engine: Engine) -> int:
+    """The most characters of text a full context window can hold: `max_len` tokens of the vocabulary's
+    longest entry. An entry is at least as long as the text it decodes to (byte-level entries spell
+    each byte with one character), so a longer text cannot fit."""
+    return engine.max_len * max(map(len, engine.model.tokenizer.get_vocab()))
 
 
-def longest_token_chars(tokenizer) -> int:
-    """The most characters of text one token can stand for. A vocabulary entry is at least as long as
-    the text it decodes to (byte-level entries spell each byte with one character), so this bounds it."""
-    return max(map(len, tokenizer.get_vocab()))
+def default_max_request_bytes(prompt_chars: int) -> int:
+    """The largest body a full window can need, with room to spare: `prompt_chars` characters, each
+    JSON-escaped at up to 12 bytes, and 1 MiB for the rest."""
+    return prompt_chars * 12 + (1 << 20)
 
 
 class Refused(Exception):
@@ -60,7 +61,8 @@ class Refused(Exception):
 
 def create_app(engine: Engine, model_name: str, defaults: Defaults = Defaults(), max_request_bytes: int | None = None) -> FastAPI:
     """The ASGI app. The engine is started by the caller and stopped, after the last response, on shutdown.
-    A body over `max_request_bytes` (default: `default_max_request_bytes`) is refused with 413 unread."""
+    A body over `max_request_bytes` (default: `default_max_request_bytes`) is refused with 413 unread;
+    a prompt over `max_prompt_chars` is refused before it is tokenized."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -69,8 +71,8 @@ def create_app(engine: Engine, model_name: str, defaults: Defaults = Defaults(),
 
     app = FastAPI(title="s3d-jax", lifespan=lifespan)
     outcomes = engine.totals.requests  # a request the engine took is counted there, once, when it ends
-    max_prompt_chars = engine.max_len * longest_token_chars(engine.model.tokenizer)
-    app.add_middleware(BodyLimit, limit=max_request_bytes or default_max_request_bytes(engine),
+    prompt_chars = max_prompt_chars(engine)
+    app.add_middleware(BodyLimit, limit=max_request_bytes or default_max_request_bytes(prompt_chars),
                        refused=lambda: outcomes.update(invalid=1))
 
     @app.exception_handler(Refused)
@@ -112,25 +114,28 @@ def create_app(engine: Engine, model_name: str, defaults: Defaults = Defaults(),
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, http: HTTPRequest):
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        ids = await _encode(engine, messages, sum(len(m["content"]) for m in messages), max_prompt_chars, chat=True)
+        ids = await _encode(engine, messages, prompt_chars, chat=True)
         return await _complete(engine, model_name, defaults, body, ids, http, chat=True,
                                max_tokens=body.max_completion_tokens or body.max_tokens)
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, http: HTTPRequest):
         prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
-        ids = await _encode(engine, prompt, len(prompt), max_prompt_chars if isinstance(prompt, str) else engine.max_len, chat=False)
+        ids = await _encode(engine, prompt, prompt_chars, chat=False)
         return await _complete(engine, model_name, defaults, body, ids, http, chat=False, max_tokens=body.max_tokens)
 
     return app
 
 
-async def _encode(engine: Engine, prompt, length: int, max_length: int, chat: bool) -> list[int]:
-    """The prompt's token ids, tokenized (and templated) off the event loop's thread. A prompt longer than
-    `max_length` (characters, or token ids) cannot fit the window and is refused before any of it is read."""
+async def _encode(engine: Engine, prompt, prompt_chars: int, chat: bool) -> list[int]:
+    """The prompt's token ids, tokenized (and templated) off the event loop's thread. Text of more than
+    `prompt_chars` characters, or more token ids than the window, cannot fit and is refused unread."""
     param = "messages" if chat else "prompt"
-    if length > max_length:
-        unit = "characters" if chat or isinstance(prompt, str) else "token ids"
+    if isinstance(prompt, list) and not chat:  # token ids
+        length, limit, unit = len(prompt), engine.max_len, "token ids"
+    else:
+        length, limit, unit = sum(len(m["content"]) for m in prompt) if chat else len(prompt), prompt_chars, "characters"
+    if length > limit:
         raise Refused(400, f"this model's context window is {engine.max_len} tokens; the prompt's {length} {unit} are more than "
                       f"that many tokens can hold", param=param, code="context_length_exceeded")
     try:
