@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import numbers
+import re
 from typing import Any
 
 import jax.numpy as jnp
@@ -24,6 +25,10 @@ DTYPES = {**FLOAT_DTYPES, **{name: jnp.float32 for name in QUANTIZED_DTYPES}}
 # from a one-token step would become visible ones (docs/design.md, "Precision").
 COMPUTE_DTYPE = jnp.float32
 QUANT_GROUP = 32  # a quantized weight's entries per scale, along its input (s3d_jax/quant.py)
+# A quantized weight's format by name (`quant.Format`): int8 or int4, then -g16 (groups of 16),
+# -min (an int8 minimum), -f32 (int4's float32 scales).
+WEIGHT_FORMAT = re.compile(r"int(8|4)(-g16)?(-min)?(-f32)?")
+FORMATTED_WEIGHTS = ("qkv", "o", "gate_up", "down", "embed", "lm_head")  # those a config may give a format of its own
 
 
 class ConfigError(ValueError):
@@ -99,6 +104,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: scores scale by its -1/2 power instead of head_dim's
     attn_softcap: float | None = None  # Gemma-2: attention scores become cap * tanh(score / cap)
     final_softcap: float | None = None  # Gemma-2: the same on the logits
+    # A quantized model's weights held in other formats than its dtype's, as (name, format) pairs: a
+    # GGUF's blocks kept exactly (`quant.Format`), e.g. ("down", "int8-g16-min") for Q4_K and Q6_K layers.
+    weight_formats: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # types first: a JSON "64" or true is not an int
@@ -146,6 +154,15 @@ class ModelConfig:
                 if getattr(self, name) % QUANT_GROUP:
                     raise ConfigError(f"dtype {self.dtype} quantizes weights in groups of {QUANT_GROUP} along their input, and "
                                       f"this model's {name} of {getattr(self, name)} is not a multiple of {QUANT_GROUP}")
+        formats = self.weight_formats.items() if isinstance(self.weight_formats, dict) else self.weight_formats
+        object.__setattr__(self, "weight_formats", tuple(sorted((str(n), str(f)) for n, f in formats)))
+        for name, fmt in self.weight_formats:
+            if not self.quantized:
+                raise ConfigError(f"weight_formats name formats of quantized weights, and dtype {self.dtype} quantizes none")
+            m = WEIGHT_FORMAT.fullmatch(fmt)
+            if name not in FORMATTED_WEIGHTS or m is None or (m[1] == "8" and m[4]) or (m[1] == "4" and m[3]):
+                raise ConfigError(f"weight_formats: {name}={fmt!r} is not a weight and a format ({', '.join(FORMATTED_WEIGHTS)}; "
+                                  "int8 or int4, then -g16, -min (int8), -f32 (int4))")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
         # Normalise JSON dicts and lists into hashable dataclasses and tuples.

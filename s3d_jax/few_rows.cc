@@ -2,9 +2,9 @@
 // a pass's attention over the KV cache (`CacheScores`, `CacheValues`, at the end), the draft head's
 // context columns (`ContextLogits`) and a 16-bit table's token columns (`TableColumns`), as XLA FFI
 // handlers for the CPU (s3d_jax/few_rows.py builds and registers them). The weight is float32,
-// bfloat16, float16, int8 in groups of 32 rows with one float32 scale per group and column (GGUF's
-// Q8_0), or int4 in such groups with a float16 scale and minimum (GGUF's Q4_1; s3d_jax/quant.py has
-// the layouts).
+// bfloat16, float16, int8 in groups of 32 or 16 rows with one float32 scale (and optional minimum)
+// per group and column (GGUF's Q8_0, Q5_0, Q5_1, Q6_K and mixed stacks), or int4 in such groups with
+// a float16 or float32 scale and minimum (GGUF's Q4_0, Q4_1, Q4_K; s3d_jax/quant.py has the layouts).
 //
 // XLA's CPU dot streams the weight once for one row, but for 2-16 rows it packs the weight into
 // panels first, so a pass over 5 tokens costs about 2x a one-token step. Here the weight is read
@@ -89,7 +89,7 @@ inline Lanes WidenHalves(const uint16_t* p) {
 
 inline float Half(uint16_t bits) { return float(std::bit_cast<_Float16>(bits)); }
 
-constexpr int64_t kGroup = 32;  // rows of an int8 weight sharing a scale (few_rows.py's GROUP)
+constexpr int64_t kGroup = 32;  // rows of a quantized weight sharing a scale, or 16 (quant.py's Format.group)
 
 // Readers of a weight [K, N] as float32: 16 columns of row k from n, or one. `Group` is what a run
 // of rows in one group shares (an int8 weight's scales), loaded once for those rows.
@@ -134,26 +134,43 @@ constexpr int64_t kLineColumns = 64 / sizeof(*std::declval<W>().w);
 
 // The quantized weights' readers give codes (16 columns of one or two rows, or one entry) and scale
 // a sum of codes over rows of one group: `Scaled(sum of x * code, sum of x, ...)`.
+// A group's 16 scales (or minimums) from `p`, as float32: float16 ones widen exactly.
+inline Lanes Load16Scales(const float* p) { return *reinterpret_cast<const Lanes*>(p); }
+inline Lanes Load16Scales(const uint16_t* p) { return WidenHalves(p); }
+inline float Scale1(float s) { return s; }
+inline float Scale1(uint16_t s) { return Half(s); }
+
 struct Int8Weight {
   const int8_t* w;
-  const float* scale;  // [K / kGroup, N]
+  const float* scale;  // [K / group, N]
+  const float* min;    // [K / group, N], or null: no minimum
   int64_t N;
+  int group_shift;     // log2 of the group: 5 or 4
+  static constexpr bool kQuantized = true;
   static constexpr int kRowsPerLoad = 1;
   static constexpr int kRows = 8;  // per block: as many memory streams as a float weight's
   void Codes16(int64_t k, int64_t n, Lanes* codes) const { codes[0] = WidenBytes(w + k * N + n); }
   const void* Row(int64_t k) const { return w + k * N; }  // a row's codes, one byte per column
   float Code1(int64_t k, int64_t n) const { return float(w[k * N + n]); }
-  Lanes Scaled(Lanes sum, Lanes, int64_t k, int64_t n) const {
-    return sum * *reinterpret_cast<const Lanes*>(scale + k / kGroup * N + n);
+  Lanes Scaled(Lanes sum, Lanes x_sum, int64_t k, int64_t n) const {
+    const int64_t at = (k >> group_shift) * N + n;
+    const Lanes scaled = sum * Load16Scales(scale + at);
+    return min ? scaled + x_sum * Load16Scales(min + at) : scaled;
   }
-  float Scaled1(float sum, float, int64_t k, int64_t n) const { return sum * scale[k / kGroup * N + n]; }
+  float Scaled1(float sum, float x_sum, int64_t k, int64_t n) const {
+    const int64_t at = (k >> group_shift) * N + n;
+    return min ? sum * scale[at] + x_sum * min[at] : sum * scale[at];
+  }
 };
 
+template <typename Scale>  // float16 (uint16_t) or float32 scales and minimums
 struct Int4Weight {
   const uint8_t* w;  // [K / 2, N]: row k in the low nibbles of row k / 2 for an even k, the high ones for an odd
-  const uint16_t* scale;  // [K / kGroup, N] float16
-  const uint16_t* min;    // [K / kGroup, N] float16
+  const Scale* scale;  // [K / group, N]
+  const Scale* min;    // [K / group, N]
   int64_t N;
+  int group_shift;
+  static constexpr bool kQuantized = true;
   static constexpr int kRowsPerLoad = 2;  // k even
   static constexpr int kRows = 16;  // per block: 8 rows of bytes
   void Codes16(int64_t k, int64_t n, Lanes* codes) const {
@@ -163,14 +180,20 @@ struct Int4Weight {
   float Code1(int64_t k, int64_t n) const { return float(k & 1 ? w[k / 2 * N + n] >> 4 : w[k / 2 * N + n] & 15); }
   const void* Row(int64_t k) const { return w + k / 2 * N; }  // a pair of rows' codes, one byte per column
   Lanes Scaled(Lanes sum, Lanes x_sum, int64_t k, int64_t n) const {
-    const int64_t at = k / kGroup * N + n;
-    return sum * WidenHalves(scale + at) + x_sum * WidenHalves(min + at);
+    const int64_t at = (k >> group_shift) * N + n;
+    return sum * Load16Scales(scale + at) + x_sum * Load16Scales(min + at);
   }
   float Scaled1(float sum, float x_sum, int64_t k, int64_t n) const {
-    const int64_t at = k / kGroup * N + n;
-    return sum * Half(scale[at]) + x_sum * Half(min[at]);
+    const int64_t at = (k >> group_shift) * N + n;
+    return sum * Scale1(scale[at]) + x_sum * Scale1(min[at]);
   }
 };
+
+template <typename W>
+constexpr bool IsQuantized() {
+  if constexpr (requires { W::kQuantized; }) return W::kQuantized;
+  return false;
+}
 
 constexpr int64_t kWeightRows = 8;    // weight rows read together
 // A block of weight rows is prefetched this many blocks before its use. A block reads short runs of
@@ -303,7 +326,7 @@ template <int T, typename W>
 void Columns(const float* x, const void* weight, float* y, int64_t K, int64_t n0, int64_t n1) {
   const W& w = *static_cast<const W*>(weight);
   for (int t = 0; t < T; ++t) std::memset(y + t * w.N + n0, 0, sizeof(float) * (n1 - n0));
-  if constexpr (std::is_same_v<W, Int4Weight> || std::is_same_v<W, Int8Weight>) {
+  if constexpr (IsQuantized<W>()) {
     for (int64_t k = 0; k < K; k += W::kRows) AccumulateCodes<T>(x, w, y, K, k, n0, n1);  // K is whole groups
   } else {
     int64_t k = 0;
@@ -317,7 +340,7 @@ using ColumnsFn = void (*)(const float*, const void*, float*, int64_t, int64_t, 
 // Rows of x per sweep: a quantized weight's codes are widened once per sweep, which costs more than
 // a float weight's loads, so its sweeps take up to 16 rows (a tree of 15 and its root in one).
 template <typename W>
-constexpr int64_t kSweepRows = std::is_same_v<W, Int8Weight> || std::is_same_v<W, Int4Weight> ? 16 : kMaxRows;
+constexpr int64_t kSweepRows = IsQuantized<W>() ? 16 : kMaxRows;
 
 template <typename W, size_t... T>
 constexpr std::array<ColumnsFn, sizeof...(T) + 1> ColumnsTable(std::index_sequence<T...>) {
@@ -529,37 +552,60 @@ ffi::Error FewRowMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<f
   return RunWithBeside(std::move(products), beside, beside_results, x.typed_data(), M, K, at);
 }
 
-ffi::Error FewRowMatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+// The group of a quantized weight with K inputs and `groups` scales along them, as its log2: 32 or 16.
+bool GroupShift(int64_t K, int64_t groups, int* shift) {
+  for (int s : {5, 4})
+    if (groups << s == K) return *shift = s, true;
+  return false;
+}
+
+ffi::Error FewRowMatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> min,
                             ffi::Buffer<ffi::S32> at, ffi::RemainingArgs beside, ffi::ResultBuffer<ffi::F32> y,
                             ffi::RemainingRets beside_results) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
+  const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), md = min.dimensions();
+  const bool has_min = min.element_count() != 0;  // an empty minimum: none
   int64_t entry;
-  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || xd[1] != wd[1] || wd[1] % kGroup || sd[0] != wd[0] ||
-      sd[1] != wd[1] / kGroup || sd[2] != wd[2] || !Entry(at, 0, wd[0], &entry)) {
+  int shift;
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || xd[1] != wd[1] || sd[0] != wd[0] || !GroupShift(wd[1], sd[1], &shift) ||
+      sd[2] != wd[2] || (has_min && (md.size() != 3 || md[0] != sd[0] || md[1] != sd[1] || md[2] != sd[2])) ||
+      !Entry(at, 0, wd[0], &entry)) {
     return ffi::Error::InvalidArgument(
-        "few_row_matmul_int8: expected x [M, K], w [L, K, N], scale [L, K/32, N] and an entry 0 <= at < L");
+        "few_row_matmul_int8: expected x [M, K], w [L, K, N], scale (and min, or an empty min) [L, K/32 or K/16, N] and an entry "
+        "0 <= at < L");
   }
-  const int64_t M = xd[0], K = wd[1], N = wd[2];
-  std::vector<Product> products{Plan(x.typed_data(), Int8Weight{w.typed_data() + entry * K * N, scale.typed_data() + entry * K / kGroup * N, N},
-                                     y->typed_data(), M, K, CeilDiv(N, Threads()))};
+  const int64_t M = xd[0], K = wd[1], N = wd[2], groups = entry * sd[1] * N;
+  const Int8Weight reader{w.typed_data() + entry * K * N, scale.typed_data() + groups, has_min ? min.typed_data() + groups : nullptr,
+                          N, shift};
+  std::vector<Product> products{Plan(x.typed_data(), reader, y->typed_data(), M, K, CeilDiv(N, Threads()))};
   return RunWithBeside(std::move(products), beside, beside_results, x.typed_data(), M, K, at);
 }
 
-ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> scale,
-                            ffi::Buffer<ffi::F16> min, ffi::Buffer<ffi::S32> at, ffi::RemainingArgs beside,
-                            ffi::ResultBuffer<ffi::F32> y, ffi::RemainingRets beside_results) {
+ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::AnyBuffer scale, ffi::AnyBuffer min,
+                            ffi::Buffer<ffi::S32> at, ffi::RemainingArgs beside, ffi::ResultBuffer<ffi::F32> y,
+                            ffi::RemainingRets beside_results) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), md = min.dimensions();
+  const auto type = scale.element_type();
   int64_t entry;
-  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || md.size() != 3 || xd[1] % kGroup || xd[1] != 2 * wd[1] ||
-      sd[0] != wd[0] || sd[1] != xd[1] / kGroup || sd[2] != wd[2] || md[0] != sd[0] || md[1] != sd[1] || md[2] != sd[2] ||
-      !Entry(at, 0, wd[0], &entry)) {
+  int shift;
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || md.size() != 3 || xd[1] != 2 * wd[1] || sd[0] != wd[0] ||
+      !GroupShift(xd[1], sd[1], &shift) || sd[2] != wd[2] || md[0] != sd[0] || md[1] != sd[1] || md[2] != sd[2] ||
+      (type != ffi::DataType::F16 && type != ffi::DataType::F32) || min.element_type() != type || !Entry(at, 0, wd[0], &entry)) {
     return ffi::Error::InvalidArgument(
-        "few_row_matmul_int4: expected x [M, K], w [L, K/2, N], scale and min [L, K/32, N] and an entry 0 <= at < L");
+        "few_row_matmul_int4: expected x [M, K], w [L, K/2, N], scale and min of one type, float16 or float32, "
+        "[L, K/32 or K/16, N] and an entry 0 <= at < L");
   }
-  const int64_t M = xd[0], K = xd[1], N = wd[2], groups = entry * K / kGroup * N;
-  const Int4Weight reader{w.typed_data() + entry * K / 2 * N, reinterpret_cast<const uint16_t*>(scale.untyped_data()) + groups,
-                          reinterpret_cast<const uint16_t*>(min.untyped_data()) + groups, N};
-  std::vector<Product> products{Plan(x.typed_data(), reader, y->typed_data(), M, K, CeilDiv(N, Threads()))};
+  const int64_t M = xd[0], K = xd[1], N = wd[2], groups = entry * sd[1] * N;
+  const uint8_t* codes = w.typed_data() + entry * K / 2 * N;
+  std::vector<Product> products;
+  if (type == ffi::DataType::F16) {
+    const auto* s = static_cast<const uint16_t*>(scale.untyped_data()) + groups;
+    const auto* m = static_cast<const uint16_t*>(min.untyped_data()) + groups;
+    products.push_back(Plan(x.typed_data(), Int4Weight<uint16_t>{codes, s, m, N, shift}, y->typed_data(), M, K, CeilDiv(N, Threads())));
+  } else {
+    const auto* s = static_cast<const float*>(scale.untyped_data()) + groups;
+    const auto* m = static_cast<const float*>(min.untyped_data()) + groups;
+    products.push_back(Plan(x.typed_data(), Int4Weight<float>{codes, s, m, N, shift}, y->typed_data(), M, K, CeilDiv(N, Threads())));
+  }
   return RunWithBeside(std::move(products), beside, beside_results, x.typed_data(), M, K, at);
 }
 
@@ -952,6 +998,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt8, FewRowMatmulInt8,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -961,8 +1008,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt4, FewRowMatmulInt4,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()

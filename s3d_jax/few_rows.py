@@ -284,8 +284,8 @@ def _quantized_kernel(x_MK, w, at, beside=()):
     `x @ b[at[i + 1]]` for each float stack b of `beside`, in one call."""
     target = TARGET_INT4 if quant.bits_of(w) == 4 else TARGET_INT8
     call = jax.ffi.ffi_call(target, _results(x_MK, (w["values"], *beside)), vmap_method="sequential")
-    parts = (w[k] for k in ("values", "scale", "min") if k in w)
-    return tuple(call(x_MK, *parts, _at(at), *beside))
+    low = w["min"] if "min" in w else jnp.zeros((0,), jnp.float32)  # an int8 weight without a minimum passes an empty one
+    return tuple(call(x_MK, w["values"], w["scale"], low, _at(at), *beside))
 
 
 @_quantized_kernel.defjvp

@@ -86,10 +86,10 @@ def weight(module: nn.Module, name: str, in_shape, out_shape):
     A layer's weights are stacks, their `in_shape` led by the layer axis."""
     c = module.config
     held = module.get_variable("params", name) if module.has_variable("params", name) else None
-    bits = (quant.bits_of(held) if quant.is_quantized(held) else None) if held is not None else (
-        quant.bits_for(c.dtype, name) if c.quantized else None)
-    if bits:
-        return module.param(name, quant.initializer(init_normal, bits), tuple(in_shape), tuple(out_shape))
+    fmt = (quant.format_of(held, len(in_shape)) if quant.is_quantized(held) else None) if held is not None else (
+        quant.format_for(c, name) if c.quantized else None)
+    if fmt:
+        return module.param(name, quant.initializer(init_normal, fmt), tuple(in_shape), tuple(out_shape))
     return module.param(name, init_normal, (*in_shape, *out_shape), c.jnp_dtype)
 
 

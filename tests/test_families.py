@@ -221,6 +221,24 @@ GGUF_CASES = {
 }
 
 
+def gguf_blocks(w: np.ndarray, kind: str) -> np.ndarray:
+    """`w` in GGML blocks of `kind`: gguf's own quantization, or for a K-quant (which gguf cannot
+    quantize) random codes and sub-block scales with float16 factors of w's magnitude."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    if not kind.endswith("_K"):
+        return gguf.quants.quantize(np.ascontiguousarray(w), qtype)
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows, blocks = int(np.prod(w.shape[:-1])), w.shape[-1] // block_size
+    rng = np.random.default_rng(w.size)
+    data = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
+    factor = np.float16(np.abs(w).max() / (31 * 63 if kind == "Q6_K" else 15 * 63))
+    for at in (208,) if kind == "Q6_K" else (0, 2):  # Q6_K's d is last; Q4_K's and Q5_K's d and dmin first
+        data[..., at : at + 2] = np.frombuffer(factor.tobytes(), np.uint8)
+    return data.reshape(*w.shape[:-1], blocks * block_bytes)
+
+
 def write_gguf(model, path, arch: str, block_type=lambda name, w: None):
     """`block_type(gguf name, weight)` names a GGML block type (e.g. "Q4_1") to store a tensor in; None keeps float32."""
     import gguf
@@ -260,8 +278,7 @@ def write_gguf(model, path, arch: str, block_type=lambda name, w: None):
         if kind is None:
             writer.add_tensor(gguf_name, np.ascontiguousarray(w))
         else:
-            blocks = gguf.quants.quantize(np.ascontiguousarray(w), gguf.GGMLQuantizationType[kind])
-            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
+            writer.add_tensor(gguf_name, gguf_blocks(w, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

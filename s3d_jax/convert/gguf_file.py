@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from s3d_jax import quant
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import ConfigError
 from s3d_jax.convert.readers import GroupedTensor, HFSource, LazyTensors
@@ -57,8 +58,8 @@ GEMMA_NAMES = {  # Gemma's four norms per layer; its ffn_norm is the MLP's input
 
 
 def read_gguf(path: Path, keep_groups: bool = False) -> HFSource:
-    """The GGUF at `path`; with `keep_groups`, its Q8_0, Q4_0 and Q4_1 tensors as `GroupedTensor`s
-    (no float copy), else every tensor dequantized to float32."""
+    """The GGUF at `path`; with `keep_groups`, its tensors of `KEPT_TYPES` as `GroupedTensor`s (no float
+    copy), else every tensor dequantized to float32."""
     import gguf  # ~0.25 s to import; only GGUF sources need it
 
     check_header(path)
@@ -137,7 +138,7 @@ def read_gguf(path: Path, keep_groups: bool = False) -> HFSource:
     def load(name: str) -> np.ndarray | GroupedTensor:
         t = names[hf_names[name]]
         try:
-            w = grouped(t) if keep_groups and t.tensor_type.name in GROUPED_TYPES else gguf.quants.dequantize(t.data, t.tensor_type)
+            w = grouped(t) if keep_groups and t.tensor_type.name in KEPT_TYPES else gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise CheckpointError(f"cannot dequantize {t.name} ({t.tensor_type.name}) in {path}: {e}") from None
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -147,30 +148,76 @@ def read_gguf(path: Path, keep_groups: bool = False) -> HFSource:
             w = w - np.asarray(1, w.dtype)
         return w
 
-    return HFSource(config, LazyTensors(list(hf_names), load), _tokenizer(path), path)
+    kept = {name: kept_format(names[gguf_name].tensor_type.name) for name, gguf_name in hf_names.items()} if keep_groups else {}
+    return HFSource(config, LazyTensors(list(hf_names), load), _tokenizer(path), path, {k: f for k, f in kept.items() if f})
 
 
-# GGUF's block types that `quant`'s formats hold exactly: 32 entries per block, a float16 scale d (and
-# minimum m) first, then the codes: Q8_0's value is d * q for int8 q, Q4_0's d * (q - 8) and Q4_1's d * q + m
-# for q in 0..15, byte j of a block holding q_j in its low nibble and q_(j+16) in its high one.
-GROUPED_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+# GGUF's block types that `quant`'s formats hold exactly, with the format, the entries per scale, and
+# where each block keeps its float16 factors: (d, m or dmin) byte offsets, then Q4_K's and Q5_K's 12
+# bytes of 6-bit scales and minimums, or Q6_K's 16 int8 scales. An entry is worth d * q (Q8_0),
+# d * (q - 8) (Q4_0), d * q + m (Q4_1, Q5_1), d * (q - 16) (Q5_0), (d sc) q - (dmin m) per 32 (Q4_K,
+# Q5_K), (d sc) (q - 32) per 16 (Q6_K), for the type's codes q.
+KEPT_TYPES = {  # type: (format, group, d, m, scales)
+    "Q8_0": ("int8", 32, 0, None, None), "Q4_0": ("int4", 32, 0, None, None), "Q4_1": ("int4", 32, 0, 2, None),
+    "Q5_0": ("int8", 32, 0, None, None), "Q5_1": ("int8-min", 32, 0, 2, None), "Q4_K": ("int4-f32", 32, 0, 2, (4, 12)),
+    "Q5_K": ("int8-min", 32, 0, 2, (4, 12)), "Q6_K": ("int8-g16", 16, 208, None, (192, 16)),
+}
+ROWS_PER_CHUNK = 4096  # a tensor's rows read at a time: its codes' float copy stays small
+
+
+def kept_format(tensor_type: str) -> quant.Format | None:
+    kept = KEPT_TYPES.get(tensor_type)
+    return None if kept is None else quant.Format.parse(kept[0])
 
 
 def grouped(t) -> GroupedTensor:
-    """A Q8_0, Q4_0 or Q4_1 tensor's blocks as codes and scales, without a float copy."""
+    """A tensor of one of `KEPT_TYPES` as codes and scales. The codes are gguf's own dequantization of
+    the same blocks with every factor set to one (d = 1, m = dmin = 0, sub-block scales 1), so each
+    type's bit layout is the library's; the factors are read from the blocks as the library reads them."""
+    import gguf
+
     kind = t.tensor_type.name
-    rows = int(np.prod(t.shape[1:]))  # GGUF lists dims innermost first: shape[0] is the input
-    blocks = np.asarray(t.data).reshape(rows, t.shape[0] // 32, -1)
-    halves = blocks[..., : 4 if kind == "Q4_1" else 2].copy().view(np.float16)  # [rows, groups, 1 or 2]
-    scale, low = halves[..., 0], halves[..., 1] if kind == "Q4_1" else None
-    if kind == "Q8_0":
-        codes = blocks[..., 2:].copy().view(np.int8)
-    else:
-        packed = blocks[..., 4 if kind == "Q4_1" else 2 :]
-        codes = np.concatenate([packed & 15, packed >> 4], axis=-1)
+    fmt_name, group, d_at, m_at, scales_at = KEPT_TYPES[kind]
+    fmt = quant.Format.parse(fmt_name)
+    rows, K = int(np.prod(t.shape[1:])), int(t.shape[0])  # GGUF lists dims innermost first: shape[0] is the input
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+    blocks = np.asarray(t.data).reshape(rows, K // block_size, block_bytes)
+
+    def halves(at):
+        return blocks[..., at : at + 2].copy().view(np.float16)[..., 0]  # [rows, blocks]
+
+    d = halves(d_at)
+    codes = np.empty((rows, K), np.uint8 if fmt.bits == 4 else np.int8)
+    unit = np.zeros(block_bytes, np.uint8)
+    unit[d_at : d_at + 2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+    if scales_at is not None:  # 6-bit scales of 1 and minimums of 0 (Q4_K, Q5_K), or int8 scales of 1 (Q6_K)
+        start, size = scales_at
+        unit[start : start + size] = [1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1] if size == 12 else 1
+    keep = np.ones(block_bytes, bool)  # the bytes of codes, which stay; the factors' bytes become `unit`'s
+    keep[d_at : d_at + 2] = False
+    if m_at is not None:
+        keep[m_at : m_at + 2] = False
+    if scales_at is not None:
+        keep[scales_at[0] : sum(scales_at)] = False
+    offset = {"Q4_0": 8}.get(kind, 0)  # Q4_0's q - 8 back to its codes 0..15
+    for r0 in range(0, rows, ROWS_PER_CHUNK):
+        chunk = np.where(keep, blocks[r0 : r0 + ROWS_PER_CHUNK], unit)
+        values = gguf.quants.dequantize(chunk.reshape(chunk.shape[0], -1), t.tensor_type)
+        codes[r0 : r0 + ROWS_PER_CHUNK] = values + offset
+    if scales_at is None:
+        scale, low = d, (halves(m_at) if m_at is not None else None)
         if kind == "Q4_0":  # d * (q - 8) = d * q + (-8 d), exactly in float16
-            low = (-8 * scale.astype(np.float32)).astype(np.float16)
-    return GroupedTensor(codes.reshape(rows, -1), scale, low, kind)
+            low = (-8 * d.astype(np.float32)).astype(np.float16)
+        return GroupedTensor(codes, scale, low, fmt, kind)
+    if kind == "Q6_K":
+        sub = blocks[..., scales_at[0] : sum(scales_at)].copy().view(np.int8)  # [rows, blocks, 16]
+        scale = (d.astype(np.float32)[..., None] * sub.astype(np.float32)).reshape(rows, -1)
+        return GroupedTensor(codes, scale, None, fmt, kind)
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[..., scales_at[0] : sum(scales_at)].reshape(-1, 12))  # Q5_K packs them alike
+    dmin = halves(m_at)
+    scale = (d.astype(np.float32)[..., None] * sc.reshape(rows, -1, 8).astype(np.float32)).reshape(rows, -1)
+    low = -(dmin.astype(np.float32)[..., None] * m.reshape(rows, -1, 8).astype(np.float32)).reshape(rows, -1)
+    return GroupedTensor(codes, scale, low, fmt, kind)
 
 
 def hf_name(name: str, arch: str = "llama") -> str:

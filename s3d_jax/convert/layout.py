@@ -295,7 +295,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray | GroupedTensor], config: Mo
             if target in flat:
                 raise CheckpointError(f"tensor {name} sets {target}, which {source_of[target]} already set")
             flat[target] = _in_format(out, target, config)
-            if isinstance(out, _Spread) and quant.is_quantized(flat[target]) and quant.bits_of(flat[target]) != out.bits:
+            if isinstance(out, _Spread) and quant.is_quantized(flat[target]) and not _holds(target, out.format, config):
                 n_in = quant.QUANTIZED_INPUTS[target.rsplit("/", 1)[-1]]
                 error = np.asarray(quant.dequantize(flat[target], n_in)) - out.float32()
                 requantized.setdefault(out.source_type, []).append(float(np.sqrt(np.mean(error**2) / np.mean(out.float32() ** 2))))
@@ -317,7 +317,7 @@ class _Spread(NamedTuple):
     codes: np.ndarray
     scale: np.ndarray
     min: np.ndarray | None
-    bits: int
+    format: quant.Format
     source_type: str
 
     def float32(self) -> np.ndarray:
@@ -330,25 +330,55 @@ def _from_hf(rule: Rule, w: np.ndarray | GroupedTensor, config: ModelConfig) -> 
     if not isinstance(w, GroupedTensor):
         return rule.from_hf(w, config)
     none = (None,) * len(rule.targets)
-    scale, low = (none if a is None else rule.from_hf(np.repeat(a, quant.GROUP, axis=1), config) for a in (w.scale, w.min))
-    return tuple(_Spread(*parts, w.bits, w.source_type) for parts in zip(rule.from_hf(w.codes, config), scale, low, strict=True))
+    scale, low = (none if a is None else rule.from_hf(np.repeat(a, w.format.group, axis=1), config) for a in (w.scale, w.min))
+    return tuple(_Spread(*parts, w.format, w.source_type) for parts in zip(rule.from_hf(w.codes, config), scale, low, strict=True))
+
+
+def _holds(target: str, fmt: quant.Format, config: ModelConfig) -> bool:
+    """Whether the model's format of `target` holds every value of format `fmt` exactly."""
+    own = quant.format_for(config, target.rsplit("/", 1)[-1])
+    return fmt.widest(own) == own
 
 
 def _in_format(out: np.ndarray | _Spread, target: str, config: ModelConfig):
     """A target's array in the config's format: its float type, or quantized (`quant`), with a
-    source's groups kept where they are that format and requantized from float32 where not."""
+    source's groups kept where that format holds them (wider codes, finer groups, float32 scales
+    are exact) and requantized from float32 where not."""
     name = target.rsplit("/", 1)[-1]
     if not (config.quantized and name in quant.QUANTIZED_INPUTS):
         return np.ascontiguousarray(out.float32() if isinstance(out, _Spread) else out, dtype=config.jnp_dtype)
-    n_in, bits = quant.QUANTIZED_INPUTS[name], quant.bits_for(config.dtype, name)
-    if not (isinstance(out, _Spread) and out.bits == bits):
-        return quant.quantize(np.ascontiguousarray(out.float32() if isinstance(out, _Spread) else out, np.float32), n_in, bits)
-    once = (slice(None),) * (n_in - 1) + (slice(None, None, quant.GROUP),)  # one entry per group
-    if bits == 8:
-        kept = {"values": out.codes, "scale": out.scale[once].astype(np.float32)}
+    n_in, fmt = quant.QUANTIZED_INPUTS[name], quant.format_for(config, name)
+    if not (isinstance(out, _Spread) and _holds(target, out.format, config)):
+        return quant.quantize(np.ascontiguousarray(out.float32() if isinstance(out, _Spread) else out, np.float32), n_in, fmt)
+    once = (slice(None),) * (n_in - 1) + (slice(None, None, fmt.group),)  # one entry per group
+    scale = out.scale[once].astype(fmt.scale_dtype)
+    if fmt.bits == 4:
+        kept = {"values": quant.pack_nibbles(out.codes, n_in), "scale": scale, "min": out.min[once].astype(fmt.scale_dtype)}
     else:
-        kept = {"values": quant.pack_nibbles(out.codes, n_in), "scale": out.scale[once], "min": out.min[once]}
+        kept = {"values": out.codes.astype(np.int8), "scale": scale}  # 4-bit codes 0..15 widen exactly
+        if fmt.min:
+            kept["min"] = np.zeros_like(scale) if out.min is None else out.min[once].astype(np.float32)
     return {k: np.ascontiguousarray(v) for k, v in kept.items()}
+
+
+def kept_formats(source_formats: Mapping[str, quant.Format], config: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """The `weight_formats` of a quantized model that holds a source's blocks exactly: per weight, the
+    narrowest format that holds each of its tensors' kept formats (`HFSource.kept_formats`) and has
+    the dtype's bits at least (vocabulary tables 8). A weight with no kept tensor takes the dtype's format."""
+    formats: dict[str, quant.Format] = {}
+    for hf, fmt in source_formats.items():
+        found = _match(hf, config)
+        if found is None:
+            continue
+        for target in found[0].targets:
+            part = target.rsplit("/", 1)[-1]
+            if part in quant.QUANTIZED_INPUTS:
+                name = quant.FUSED_INTO.get(part, part)
+                formats[name] = formats[name].widest(fmt) if name in formats else fmt
+    if config.dtype == "int8":
+        formats = {name: fmt.widest(quant.INT8) for name, fmt in formats.items()}
+    formats = {name: fmt.widest(quant.INT8) if name in quant.VOCABULARY_TABLES else fmt for name, fmt in formats.items()}
+    return tuple((name, fmt.name) for name, fmt in sorted(formats.items()) if fmt != quant.format_for(config, name))
 
 
 def params_to_hf(params, config: ModelConfig) -> dict[str, np.ndarray]:

@@ -47,7 +47,7 @@ def add_mask_row(
     if append:
         embed = params["embed"]
         if quant.is_quantized(embed):
-            mean = quant.quantize(np.asarray(quant.dense(embed)).mean(axis=1, keepdims=True), 1, quant.bits_of(embed))
+            mean = quant.quantize(np.asarray(quant.dense(embed)).mean(axis=1, keepdims=True), 1, quant.format_of(embed, 1))
             params = {**params, "embed": {k: np.concatenate([embed[k], mean[k]], axis=1) for k in embed}}
         else:
             mean = embed.astype(np.float32).mean(axis=1, keepdims=True).astype(embed.dtype)

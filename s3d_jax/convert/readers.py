@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
+from s3d_jax import quant
 from s3d_jax.checkpoint import CheckpointError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -25,26 +26,27 @@ class HFSource:
     tensors: Mapping[str, np.ndarray]  # HF tensor names (`model.layers.3.self_attn.q_proj.weight`), torch layouts
     tokenizer: Any  # or None
     path: Path
+    # The format (`quant.Format`) that holds each tensor kept as its source's blocks, by HF name, read
+    # from the header alone: a GGUF's block types that `quant`'s formats hold exactly.
+    kept_formats: Mapping[str, quant.Format] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class GroupedTensor:
-    """A tensor a source holds quantized in groups of 32 along its input (GGUF's Q8_0, Q4_0, Q4_1), in
-    HF's `[out, in]` orientation: codes and float16 scales (and minimums), each entry worth
-    `code * scale (+ min)`. `params_from_hf` keeps them as they are where the model's format matches."""
+    """A tensor a source holds quantized in groups along its input (GGUF's blocks), in HF's `[out, in]`
+    orientation: codes and scales (and minimums), each entry worth `code * scale (+ min)`, bit for bit
+    the value the source's own dequantization gives. `params_from_hf` keeps them where the model's
+    format holds them."""
 
-    codes: np.ndarray  # [out, in]: int8 -127..127 (8 bits), or uint8 0..15 (4 bits)
-    scale: np.ndarray  # [out, in / 32] float16
-    min: np.ndarray | None  # [out, in / 32] float16, for 4 bits
-    source_type: str  # as the source names it, e.g. "Q4_1"
+    codes: np.ndarray  # [out, in]: int8 (8-bit formats), or uint8 0..15 (4 bits)
+    scale: np.ndarray  # [out, in / group], float16 or float32
+    min: np.ndarray | None  # [out, in / group], the scale's type; always for 4 bits
+    format: quant.Format  # the narrowest that holds it exactly
+    source_type: str  # as the source names it, e.g. "Q4_K"
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.codes.shape
-
-    @property
-    def bits(self) -> int:
-        return 8 if self.min is None else 4
 
     def rows(self, reorder: Callable[[np.ndarray], np.ndarray]) -> GroupedTensor:
         """The tensor with its rows (outputs) rearranged by `reorder`, which moves whole rows."""
