@@ -33,8 +33,10 @@ from s3d_jax.model import abstract_params, cast_dtype, cast_params
 CONFIG_FILE = "s3d_config.json"
 PARAMS_DIR = "params"
 # Version of the directory's layout, stored in CONFIG_FILE. 2: vocabulary tables are [D, V] and padded;
-# 3: q, k, v and gate, up fused (`model`).
-FORMAT = 4
+# 3: q, k, v and gate, up fused (`model`); 5: quantized weights in the formats `weight_formats` names
+# (a GGUF's blocks kept: `quant.Format`). A format-4 directory reads as a format-5 one without them.
+FORMAT = 5
+READS = (4, 5)
 
 
 class CheckpointError(ValueError):
@@ -133,9 +135,9 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
         fields = None  # ModelConfig.from_json names the problem below
     if isinstance(fields, dict):
         stored = fields.pop("format", 1)
-        if stored != FORMAT:
+        if stored not in READS:
             raise CheckpointError(
-                f"{path} holds model format {stored}, and this s3d_jax reads format {FORMAT}: "
+                f"{path} holds model format {stored}, and this s3d_jax reads formats {READS[0]} to {READS[-1]}: "
                 "convert the model again with tools/convert_hf.py"
             )
         text = json.dumps(fields)

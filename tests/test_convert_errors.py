@@ -257,9 +257,11 @@ def test_older_format_asks_for_a_new_conversion(tiny_hf_dir, tmp_path):
     config = json.loads((out / "s3d_config.json").read_text())
     assert config.pop("format") == checkpoint.FORMAT
     (out / "s3d_config.json").write_text(json.dumps(config))  # as format 1 wrote it
-    expected = f"holds model format 1, and this s3d_jax reads format {checkpoint.FORMAT}: convert the model again"
+    expected = f"holds model format 1, and this s3d_jax reads formats 4 to {checkpoint.FORMAT}: convert the model again"
     with pytest.raises(CheckpointError, match=expected):
         s3d_jax.load(out)
+    (out / "s3d_config.json").write_text(json.dumps({"format": 4, **config}))  # format 4 had no weight_formats: still read
+    assert s3d_jax.load(out).config.weight_formats == ()
 
 
 def test_cli_error_exits_2(tmp_path, capsys):
