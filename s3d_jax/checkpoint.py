@@ -158,9 +158,7 @@ def load(path: str | os.PathLike, dtype: str | None = None, mesh: jax.sharding.M
         raise ConfigError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     path = Path(path).absolute()
     config = load_config(path)
-    # Another dtype takes its own formats: a source's kept blocks (`weight_formats`) are the stored
-    # dtype's. ConfigError: a shape that cannot be quantized.
-    wanted = config if dtype in (None, config.dtype) else config.replace(dtype=dtype, weight_formats=())
+    wanted = config if dtype is None else config.replace(dtype=dtype)  # ConfigError: a shape that cannot be quantized
     expected = abstract_params(config)
     # Float leaves are read in the float type of what is wanted: a quantized format's is float32.
     read_as = wanted.jnp_dtype if dtype else None

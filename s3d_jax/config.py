@@ -28,6 +28,17 @@ QUANT_GROUP = 32  # a quantized weight's entries per scale, along its input (s3d
 # A quantized weight's format by name (`quant.Format`): int8 or int4, then -g16 (groups of 16),
 # -min (an int8 minimum), -f32 (int4's float32 scales).
 WEIGHT_FORMAT = re.compile(r"int(8|4)(-g16)?(-min)?(-f32)?")
+
+
+def weight_format_fields(name: str) -> tuple[int, int, bool, str] | None:
+    """A format's name as (bits, group, minimum, scale dtype), `quant.Format`'s fields; None for a name
+    that is not one (-min belongs to int8, -f32 to int4, whose minimum is always there)."""
+    m = WEIGHT_FORMAT.fullmatch(name)
+    if m is None or (m[1] == "8" and m[4]) or (m[1] == "4" and m[3]):
+        return None
+    bits = int(m[1])
+    return bits, 16 if m[2] else QUANT_GROUP, bits == 4 or bool(m[3]), "float32" if bits == 8 or m[4] else "float16"
+
 FORMATTED_WEIGHTS = ("qkv", "o", "gate_up", "down", "embed", "lm_head")  # those a config may give a format of its own
 
 
@@ -159,8 +170,7 @@ class ModelConfig:
         for name, fmt in self.weight_formats:
             if not self.quantized:
                 raise ConfigError(f"weight_formats name formats of quantized weights, and dtype {self.dtype} quantizes none")
-            m = WEIGHT_FORMAT.fullmatch(fmt)
-            if name not in FORMATTED_WEIGHTS or m is None or (m[1] == "8" and m[4]) or (m[1] == "4" and m[3]):
+            if name not in FORMATTED_WEIGHTS or weight_format_fields(fmt) is None:
                 raise ConfigError(f"weight_formats: {name}={fmt!r} is not a weight and a format ({', '.join(FORMATTED_WEIGHTS)}; "
                                   "int8 or int4, then -g16, -min (int8), -f32 (int4))")
         if self.hidden_act not in ACTIVATIONS:
@@ -221,6 +231,9 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if not low <= i <= high)
 
     def replace(self, **changes) -> ModelConfig:
+        """The config with `changes`; another dtype drops `weight_formats`, which belong to the old one's weights."""
+        if changes.get("dtype", self.dtype) != self.dtype:
+            changes.setdefault("weight_formats", ())
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:

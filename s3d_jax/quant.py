@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from s3d_jax.config import QUANT_GROUP as GROUP  # entries sharing a scale, along a weight's last input axis
-from s3d_jax.config import WEIGHT_FORMAT
+from s3d_jax.config import weight_format_fields
 
 # The weights quantized, by name, with their input axes; the rest stay float32. Conversion reads the
 # parts of the fused projections (q, k, v; gate, up) separately before it fuses them (`model`).
@@ -67,11 +67,10 @@ class Format:
 
     @classmethod
     def parse(cls, name: str) -> Format:
-        m = WEIGHT_FORMAT.fullmatch(name)
-        if m is None or (m[1] == "8" and m[4]) or (m[1] == "4" and m[3]):
+        fields = weight_format_fields(name)
+        if fields is None:
             raise ValueError(f"unknown weight format {name!r}: int8 or int4, then -g16 (groups of 16), -min (int8), -f32 (int4)")
-        bits = int(m[1])
-        return cls(bits, 16 if m[2] else GROUP, bits == 4 or bool(m[3]), "float32" if bits == 8 or m[4] else "float16")
+        return cls(*fields)
 
     def widest(self, other: Format) -> Format:
         """The narrowest format that holds every value of both exactly."""

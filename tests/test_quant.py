@@ -263,6 +263,7 @@ def test_gguf_blocks_are_kept_exactly_in_the_narrowest_format_that_holds_them(ty
         model = s3d_jax.load(convert(path, path.parent / dtype, dtype=dtype, progress=False, overwrite=True))
     assert [str(w.message) for w in caught if "weights are not" in str(w.message)] == []
     assert dict(model.config.weight_formats) == KEPT_FORMATS[dtype]
+    assert model.config.replace(dtype="float32").weight_formats == ()  # the formats belong to the dtype's weights
     for i in range(2):
         layer = layer_params(model.params, i)
         for group, name in (("attn", "qkv"), ("attn", "o"), ("mlp", "gate_up"), ("mlp", "down")):

@@ -152,15 +152,15 @@ def read_gguf(path: Path, keep_groups: bool = False) -> HFSource:
     return HFSource(config, LazyTensors(list(hf_names), load), _tokenizer(path), path, {k: f for k, f in kept.items() if f})
 
 
-# GGUF's block types that `quant`'s formats hold exactly, with the format, the entries per scale, and
-# where each block keeps its float16 factors: (d, m or dmin) byte offsets, then Q4_K's and Q5_K's 12
-# bytes of 6-bit scales and minimums, or Q6_K's 16 int8 scales. An entry is worth d * q (Q8_0),
+# GGUF's block types that `quant`'s formats hold exactly, with the format (its group is the type's
+# entries per scale) and where each block keeps its float16 factors: (d, m or dmin) byte offsets, then
+# Q4_K's and Q5_K's 12 bytes of 6-bit scales and minimums, or Q6_K's 16 int8 scales. An entry is worth d * q (Q8_0),
 # d * (q - 8) (Q4_0), d * q + m (Q4_1, Q5_1), d * (q - 16) (Q5_0), (d sc) q - (dmin m) per 32 (Q4_K,
 # Q5_K), (d sc) (q - 32) per 16 (Q6_K), for the type's codes q.
-KEPT_TYPES = {  # type: (format, group, d, m, scales)
-    "Q8_0": ("int8", 32, 0, None, None), "Q4_0": ("int4", 32, 0, None, None), "Q4_1": ("int4", 32, 0, 2, None),
-    "Q5_0": ("int8", 32, 0, None, None), "Q5_1": ("int8-min", 32, 0, 2, None), "Q4_K": ("int4-f32", 32, 0, 2, (4, 12)),
-    "Q5_K": ("int8-min", 32, 0, 2, (4, 12)), "Q6_K": ("int8-g16", 16, 208, None, (192, 16)),
+KEPT_TYPES = {  # type: (format, d, m, scales)
+    "Q8_0": ("int8", 0, None, None), "Q4_0": ("int4", 0, None, None), "Q4_1": ("int4", 0, 2, None),
+    "Q5_0": ("int8", 0, None, None), "Q5_1": ("int8-min", 0, 2, None), "Q4_K": ("int4-f32", 0, 2, (4, 12)),
+    "Q5_K": ("int8-min", 0, 2, (4, 12)), "Q6_K": ("int8-g16", 208, None, (192, 16)),
 }
 ROWS_PER_CHUNK = 4096  # a tensor's rows read at a time: its codes' float copy stays small
 
@@ -177,7 +177,7 @@ def grouped(t) -> GroupedTensor:
     import gguf
 
     kind = t.tensor_type.name
-    fmt_name, group, d_at, m_at, scales_at = KEPT_TYPES[kind]
+    fmt_name, d_at, m_at, scales_at = KEPT_TYPES[kind]
     fmt = quant.Format.parse(fmt_name)
     rows, K = int(np.prod(t.shape[1:])), int(t.shape[0])  # GGUF lists dims innermost first: shape[0] is the input
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]

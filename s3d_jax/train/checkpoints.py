@@ -54,7 +54,7 @@ def load_base_model(cfg: ml_collections.ConfigDict) -> Model:
     # precision of the passes.
     config = trained_config(cfg, model.config)
     if held:
-        params = quant.quantize_params(model.params, held)
+        params = quant.quantize_params(model.params, held, model.config.weight_formats)  # a GGUF's kept blocks stay
         # The vocabulary tables in float32: the mask token's row trains, and a quantized table has no row to train.
         params = {**params, **{k: quant.dense(params[k]) for k in quant.VOCABULARY_TABLES if k in params}}
     else:
