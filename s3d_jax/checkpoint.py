@@ -11,19 +11,25 @@ leaves the previous directory intact.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import json
+import math
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from safetensors.numpy import save_file
 
 from s3d_jax import quant, sharding
@@ -53,15 +59,113 @@ class Model:
     profile: dict | None = None  # the applied drafter's acceptance profile (`drafter.Drafter.profile`)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerStack:
+    """A weight of every layer, `[L, ...]`, that is never whole in memory: `save` writes it a layer at a
+    time, making layer i's `[...]` with `layer(i)` as it goes (the converter's layer stacks)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    layer: Callable[[int], np.ndarray]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def materialized(self) -> np.ndarray:
+        whole = np.empty(self.shape, self.dtype)
+        for i in range(self.shape[0]):
+            whole[i] = self.layer(i)
+        return whole
+
+
+class _StreamingWriter(ocp.type_handlers.NumpyHandler):
+    """orbax's writer of host arrays, without its copy of each array (`save` is synchronous: nothing
+    changes an array while it is written), and writing `LayerStack`s a layer at a time, every stack
+    in step, so that one layer of the model is in memory at once. What it writes reads as any array.
+    A layer that cannot be made (a source that turns out corrupt) stops every stack, and `error`
+    holds why, for `save` to raise once orbax is done: raised inside orbax, it would be logged with
+    orbax's own traceback first."""
+
+    def __init__(self):
+        super().__init__(deepcopy_host_arrays=False)
+        self.error: Exception | None = None
+        self._stacks, self._written, self._step = 0, collections.Counter(), None
+
+    async def serialize(self, values, infos, args=None):
+        self._stacks = sum(isinstance(v, LayerStack) for v in values)
+        return await super().serialize(values, infos, args)
+
+    async def _open_and_write(self, value, tspec, ts_context):
+        if not isinstance(value, LayerStack):
+            return await super()._open_and_write(value, tspec, ts_context)
+        self._step = self._step or asyncio.Condition()
+        stored = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
+        for i in range(value.shape[0]):
+            if self.error is None:
+                try:
+                    layer = np.asarray(value.layer(i), value.dtype)
+                except Exception as e:  # kept, and raised by `save`
+                    self.error = e
+                else:
+                    await stored[i].write(layer, can_reference_source_data_indefinitely=True)  # no copy: nothing changes it
+                    del layer
+            async with self._step:  # every stack finishes layer i before any makes layer i + 1
+                self._written[i] += 1
+                if self._written[i] == self._stacks:
+                    _return_freed_memory()
+                self._step.notify_all()
+                await self._step.wait_for(lambda i=i: self.error is not None or self._written[i] == self._stacks)
+            if self.error is not None:
+                return
+
+
+def _return_freed_memory() -> None:
+    """Hands memory freed in the C heap back to the system (glibc's `malloc_trim`, where it exists).
+    Arrays of a few MB, a layer's weights, come from the heap and not from a mapping of their own,
+    and each thread's heap keeps what they free: without this, a conversion's resident memory grows
+    by about half of each layer it writes."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _glibc()
+
+
+def _save_params(path: Path, params) -> None:
+    writer = _StreamingWriter()
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (LayerStack, writer), (np.ndarray, writer), (jax.Array, ocp.type_handlers.get_type_handler(jax.Array))
+    )
+    # A stack is stored in chunks of one layer, so writing a layer never reads or holds the rest.
+    save_args = jax.tree.map(lambda x: ocp.SaveArgs(shard_axes=(0,)) if isinstance(x, LayerStack) else ocp.SaveArgs(), params)
+    # Synchronous, with at most 1 GB of device arrays in flight: an async save copies every array first.
+    handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=1, type_handler_registry=registry)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(path, args=ocp.args.PyTreeSave(params, save_args=save_args))
+    if writer.error is not None:
+        raise writer.error
+
+
 def save(path: str | os.PathLike, params, config: ModelConfig, tokenizer=None, overwrite: bool = False) -> Path:
-    """Writes a model directory atomically; a non-empty `path` is refused unless `overwrite`, and then replaced whole."""
+    """Writes a model directory atomically; a non-empty `path` is refused unless `overwrite`, and then
+    replaced whole. Leaves may be arrays or `LayerStack`s, which are written a layer at a time."""
     path = Path(path).absolute()
     check_params(params, config)
     with atomic_dir(path, overwrite) as tmp:
-        # Synchronous, with at most 1 GB in flight: an async save copies every array first, and an
-        # unbounded one encodes them all at once, each costing the model's size again at the peak.
-        with ocp.Checkpointer(ocp.StandardCheckpointHandler(save_concurrent_gb=1)) as ckptr:
-            ckptr.save(tmp / PARAMS_DIR, args=ocp.args.StandardSave(params))
+        _save_params(tmp / PARAMS_DIR, params)
         (tmp / CONFIG_FILE).write_text(json.dumps({"format": FORMAT, **json.loads(config.to_json())}, indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))

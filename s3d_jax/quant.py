@@ -174,15 +174,20 @@ def unpack_nibbles(values, n_in: int):
 
 def dequantize(w: Mapping, n_in: int):
     """The float32 weight a quantized one stands for (the same products the CPU kernel rounds)."""
-    fmt = format_of(w, n_in)
+    fmt, xp = format_of(w, n_in), _array_module(w)
     if fmt.bits == 4:  # the two nibbles' rows, interleaved back in place
         even, odd = dequantize_nibbles(w, n_in)
-        pairs = jnp.stack([even, odd], axis=n_in)
+        pairs = xp.stack([even, odd], axis=n_in)
         return pairs.reshape(*even.shape[: n_in - 1], even.shape[n_in - 1] * 2, *even.shape[n_in:])
-    grouped = _grouped(w["values"], n_in, fmt.group).astype(jnp.float32) * jnp.expand_dims(w["scale"].astype(jnp.float32), n_in)
+    grouped = _grouped(w["values"], n_in, fmt.group).astype(np.float32) * xp.expand_dims(w["scale"].astype(np.float32), n_in)
     if fmt.min:
-        grouped = grouped + jnp.expand_dims(w["min"].astype(jnp.float32), n_in)
+        grouped = grouped + xp.expand_dims(w["min"].astype(np.float32), n_in)
     return grouped.reshape(w["values"].shape)
+
+
+def _array_module(w: Mapping):
+    """numpy for a weight held in numpy (conversion works on the host), else jax.numpy."""
+    return np if all(isinstance(v, np.ndarray) for v in w.values()) else jnp
 
 
 def dequantize_nibbles(w: Mapping, n_in: int):
@@ -190,12 +195,12 @@ def dequantize_nibbles(w: Mapping, n_in: int):
     odd ones, the low and the high nibbles. A product reads them against x's even and odd entries
     (`few_rows`): XLA's CPU took five times longer to interleave the two into one weight than to
     compute them (docs/cpu.md, "Prefill at int4")."""
-    half_group = format_of(w, n_in).group // 2
-    scale, low = (jnp.expand_dims(w[k].astype(jnp.float32), n_in) for k in ("scale", "min"))
+    half_group, xp = format_of(w, n_in).group // 2, _array_module(w)
+    scale, low = (xp.expand_dims(w[k].astype(np.float32), n_in) for k in ("scale", "min"))
 
     def half(codes):  # [.., K/2, *out] in groups of group/2 along K/2
         grouped = codes.reshape(*codes.shape[: n_in - 1], codes.shape[n_in - 1] // half_group, half_group, *codes.shape[n_in:])
-        return (grouped.astype(jnp.float32) * scale + low).reshape(codes.shape)
+        return (grouped.astype(np.float32) * scale + low).reshape(codes.shape)
 
     return half(w["values"] & 15), half(w["values"] >> 4)
 

@@ -20,6 +20,7 @@ from hf_models import REPO, RTOL, VOCAB, hf_logits, random_hf_model, relative_er
 torch = pytest.importorskip("torch")
 
 import s3d_jax  # noqa: E402
+from s3d_jax.bench.random_model import random_qwen2  # noqa: E402
 from s3d_jax.checkpoint import CheckpointError  # noqa: E402
 from s3d_jax.config import ModelConfig  # noqa: E402
 from s3d_jax.convert import add_mask_row, convert, export_hf, mask_row_plan, read_source  # noqa: E402
@@ -155,6 +156,46 @@ def test_bfloat16_checkpoint_source(tmp_path):
 
 # --------------------------------------------------------------------------------------------
 # The mask row.
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming: a layer at a time.
+
+# Layers of 34 MB in float32, from float16 safetensors.
+STREAMED_SHAPE = {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 8, "num_key_value_heads": 2,
+                  "vocab_size": 1024, "max_position_embeddings": 256, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+                  "tie_word_embeddings": True, "eos_token_id": 2}
+PEAK_OF_CONVERSION = """
+import json, sys
+import jax
+from s3d_jax.bench.harness import peak_rss_mib, rss_mib
+from s3d_jax.convert import convert
+jax.numpy.zeros(1).block_until_ready()
+before = rss_mib()
+convert(sys.argv[1], sys.argv[2], progress=False)
+print(json.dumps({"before": before, "peak": peak_rss_mib()}))
+"""
+
+
+def test_conversion_holds_about_a_layer_at_a_time(tmp_path):
+    """The layers are read, converted and written one at a time (`checkpoint.LayerStack`): the
+    conversion's peak does not grow with the model's depth, where holding the model whole (and
+    orbax's copy of it) made it grow by twice the model's size. Every layer lands in its place."""
+    raised, size = {}, {}
+    for layers in (4, 16):
+        src = random_qwen2(tmp_path / f"src{layers}", {**STREAMED_SHAPE, "num_hidden_layers": layers})
+        out = tmp_path / f"out{layers}"
+        run = subprocess.run([sys.executable, "-c", PEAK_OF_CONVERSION, str(src), str(out)], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+        memory = json.loads(run.stdout.splitlines()[-1])
+        model = s3d_jax.load(out)
+        raised[layers], size[layers] = memory["peak"] - memory["before"], sum(x.nbytes for x in jax.tree.leaves(model.params)) / 2**20
+        print(f"\nconverting {layers} layers ({size[layers]:.0f} MiB) raised the peak by {raised[layers]:.0f} MiB")
+    assert raised[16] - raised[4] < (size[16] - size[4]) / 4, (raised, size)
+    source = read_source(src).tensors
+    for i in range(16):
+        np.testing.assert_array_equal(np.asarray(model.params["layers"]["mlp"]["down"][i]),
+                                      source[f"model.layers.{i}.mlp.down_proj.weight"].astype(np.float32).T)
 
 
 def test_mask_row_plan():

@@ -9,11 +9,13 @@ unless `--overwrite`, which replaces it whole (the old directory goes only once 
 
 The steps, one module each:
   readers.py, gguf_file.py  every source is read into the same `HFSource`: an HF-style config dict,
-                            lazy HF-named tensors (loaded one at a time, so a big model never sits in
-                            memory twice; a GGUF's Q8_0/Q4_0/Q4_1 blocks kept as they are for a
-                            quantized dtype) and the tokenizer, or None;
+                            lazy HF-named tensors (loaded one at a time, or a slice of rows; a GGUF's
+                            blocks kept as they are for a quantized dtype) and the tokenizer, or None;
   layout.py                 one table of rules maps HF tensor names to this project's params tree and
                             back, checking every weight against the shape the config implies;
+  params.py                 the weights into the params tree in the config's precision, the layer
+                            stacks made a layer at a time as `checkpoint.save` writes them, so a
+                            conversion holds about one layer (docs/models.md, "Conversion memory");
   mask_row.py               S3D's mask token gets an embedding row;
   export.py                 a model back to a transformers directory.
 """
@@ -32,8 +34,9 @@ from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import DTYPES, QUANTIZED_DTYPES, ConfigError, ModelConfig
 from s3d_jax.convert.export import config_to_hf, export_hf
 from s3d_jax.convert.gguf_file import read_gguf
-from s3d_jax.convert.layout import kept_formats, params_from_hf, params_to_hf
+from s3d_jax.convert.layout import params_to_hf
 from s3d_jax.convert.mask_row import add_mask_row, mask_row_plan, pad_vocab, reserved_token_id
+from s3d_jax.convert.params import kept_formats, params_from_hf
 from s3d_jax.convert.readers import HFSource, read_hf_dir
 from s3d_jax.model import abstract_params
 

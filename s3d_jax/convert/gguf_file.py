@@ -15,6 +15,7 @@ head_dim**-0.5, except the 27B models (46 and 62 layers), which use (hidden / he
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 import warnings
@@ -134,11 +135,17 @@ def read_gguf(path: Path, keep_groups: bool = False) -> HFSource:
             raise CheckpointError(f"{path} lacks the metadata for {key}")
 
     hf_names = {hf_name(n, arch): n for n in names}
+    # The reader holds each vocabulary entry and merge as objects of its own (some 400 MB for a 150k
+    # vocabulary): the tokenizer takes their values, and the fields go before any weight is read.
+    vocabulary = {key: field(key) for key in reader.fields if key.startswith("tokenizer.")}
+    for key in vocabulary:
+        del reader.fields[key]
 
-    def load(name: str) -> np.ndarray | GroupedTensor:
+    def load(name: str, rows: slice) -> np.ndarray | GroupedTensor:
         t = names[hf_names[name]]
         try:
-            w = grouped(t) if keep_groups and t.tensor_type.name in KEPT_TYPES else gguf.quants.dequantize(t.data, t.tensor_type)
+            data = _read_data(path, t, rows)
+            w = grouped(t, data) if keep_groups and t.tensor_type.name in KEPT_TYPES else gguf.quants.dequantize(data, t.tensor_type)
         except Exception as e:
             raise CheckpointError(f"cannot dequantize {t.name} ({t.tensor_type.name}) in {path}: {e}") from None
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -149,7 +156,11 @@ def read_gguf(path: Path, keep_groups: bool = False) -> HFSource:
         return w
 
     kept = {name: kept_format(names[gguf_name].tensor_type.name) for name, gguf_name in hf_names.items()} if keep_groups else {}
-    return HFSource(config, LazyTensors(list(hf_names), load), _tokenizer(path), path, {k: f for k, f in kept.items() if f})
+    def shape(name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(names[hf_names[name]].shape))  # GGUF lists dims innermost first
+
+    tensors = LazyTensors(list(hf_names), load, shape)
+    return HFSource(config, tensors, _tokenizer(arch, vocabulary, path), path, {k: f for k, f in kept.items() if f})
 
 
 # GGUF's block types that `quant`'s formats hold exactly, with the format (its group is the type's
@@ -170,8 +181,18 @@ def kept_format(tensor_type: str) -> quant.Format | None:
     return None if kept is None else quant.Format.parse(kept[0])
 
 
-def grouped(t) -> GroupedTensor:
-    """A tensor of one of `KEPT_TYPES` as codes and scales. The codes are gguf's own dequantization of
+def _read_data(path: Path, t, rows: slice) -> np.ndarray:
+    """`t.data[rows]` (a tensor's rows, in the reader's type and shape), read from the file rather than
+    through the reader's memory map: every page of the map that is read stays resident, the whole
+    file by the end of a conversion, where a read copy goes with the tensor."""
+    start, stop, _ = rows.indices(t.data.shape[0])
+    row = math.prod(t.data.shape[1:])
+    offset = int(t.data_offset) + start * row * t.data.dtype.itemsize
+    return np.fromfile(path, dtype=t.data.dtype, count=(stop - start) * row, offset=offset).reshape(stop - start, *t.data.shape[1:])
+
+
+def grouped(t, data: np.ndarray) -> GroupedTensor:
+    """A tensor of one of `KEPT_TYPES` (its rows `data` of blocks) as codes and scales. The codes are gguf's own dequantization of
     the same blocks with every factor set to one (d = 1, m = dmin = 0, sub-block scales 1), so each
     type's bit layout is the library's; the factors are read from the blocks as the library reads them."""
     import gguf
@@ -179,9 +200,9 @@ def grouped(t) -> GroupedTensor:
     kind = t.tensor_type.name
     fmt_name, d_at, m_at, scales_at = KEPT_TYPES[kind]
     fmt = quant.Format.parse(fmt_name)
-    rows, K = int(np.prod(t.shape[1:])), int(t.shape[0])  # GGUF lists dims innermost first: shape[0] is the input
+    rows, K = data.shape[0], int(t.shape[0])  # GGUF lists dims innermost first: shape[0] is the input
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
-    blocks = np.asarray(t.data).reshape(rows, K // block_size, block_bytes)
+    blocks = data.reshape(rows, K // block_size, block_bytes)
 
     def halves(at):
         return blocks[..., at : at + 2].copy().view(np.float16)[..., 0]  # [rows, blocks]
@@ -234,11 +255,32 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _tokenizer(path: Path):
-    from transformers import AutoTokenizer  # heavy: imported only when a tokenizer is read
+GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                       "pad_token": "padding_token_id"}
 
+
+def _tokenizer(architecture: str, metadata: dict, path: Path):
+    """The tokenizer a GGUF's `tokenizer.*` metadata describes, built as transformers builds it from a
+    GGUF (`get_gguf_tokenizer`, then `convert_gguf_tokenizer`), from the fields already read: that
+    function parses the file again, importing PyTorch, at some 400 MB more for a 150k vocabulary. It
+    is the fast tokenizer that `checkpoint.load_tokenizer` reads back."""
+    from transformers import PreTrainedTokenizerFast  # heavy: imported only when a tokenizer is read
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    if "tokenizer.ggml.tokens" not in metadata:
+        return None
+    vocabulary, settings = (
+        {name: metadata[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING[group].items() if f"tokenizer.{key}" in metadata}
+        for group in ("tokenizer", "tokenizer_config")
+    )
+    if vocabulary.get("tokenizer_type") == "llama":
+        settings.setdefault("add_bos_token", True)  # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise
+    for name, key in GGUF_SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        settings[name] = vocabulary["tokens"][token_id] if token_id is not None else None
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        backend, more = convert_gguf_tokenizer(architecture, vocabulary)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **settings, **more)
     except Exception as e:  # the model converts without one; token ids still work.
         warnings.warn(f"no tokenizer from {path}: {type(e).__name__}: {e}", stacklevel=2)
         return None

@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import numpy as np
-from flax.traverse_util import flatten_dict, unflatten_dict
-from tqdm.auto import tqdm
+from flax.traverse_util import flatten_dict
 
 from s3d_jax import quant
-from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import ModelConfig
-from s3d_jax.convert.readers import GroupedTensor
-from s3d_jax.model import abstract_params, join_qkv, split_qkv
+from s3d_jax.model import join_qkv, split_qkv
 
 FUSED_ARCHITECTURES = ("phi3",)  # whose checkpoints hold qkv_proj and gate_up_proj
 
@@ -235,27 +231,8 @@ def split_parts(flat: dict, config: ModelConfig) -> dict:
     return out
 
 
-def stack_layers(flat: dict, config: ModelConfig) -> dict:
-    """A flat `/`-named params dict with a layer's weights under `layer_{i}/` (an HF checkpoint's
-    order) as the model's layer stack, in place: `layers/<name>` `[L, ...]`, each layer's weight
-    copied into the stack and let go, so the model is held once and one layer's weight besides."""
-    per_layer = {}
-    for path in [p for p in flat if p.startswith("layer_")]:
-        layer, name = path.split("/", 1)
-        per_layer.setdefault(name, {})[int(layer.removeprefix("layer_"))] = flat.pop(path)
-    for name in list(per_layer):
-        layers = per_layer.pop(name)
-        if sorted(layers) != list(range(config.num_layers)):
-            raise CheckpointError(f"weight {name} is held by layers {sorted(layers)}, and the config has {config.num_layers} layers")
-        stack = jax.tree.map(lambda x: np.empty((config.num_layers, *x.shape), x.dtype), layers[0])
-        for i in range(config.num_layers):
-            jax.tree.map(lambda whole, x, i=i: whole.__setitem__(i, x), stack, layers.pop(i))
-        flat["layers/" + name] = stack
-    return flat
-
-
 def unstack_layers(flat: dict) -> dict:
-    """The inverse of `stack_layers`: each `layers/<name>` as `layer_{i}/<name>` (views of the stack)."""
+    """Each layer stack `layers/<name>` as `layer_{i}/<name>` (views of the stack)."""
     out = {}
     for path, w in flat.items():
         if not path.startswith("layers/"):
@@ -265,120 +242,6 @@ def unstack_layers(flat: dict) -> dict:
         count = jax.tree.leaves(w)[0].shape[0]
         out.update({f"layer_{i}/{name}": jax.tree.map(lambda x, i=i: x[i], w) for i in range(count)})
     return out
-
-
-def params_from_hf(tensors: Mapping[str, np.ndarray | GroupedTensor], config: ModelConfig, progress: bool = False) -> dict:
-    """Maps HF-named weights to a params tree of numpy arrays in the config's dtype, checking every
-    shape. For a quantized dtype each weight is quantized as it is read, so the model is never held
-    in float; a source's own groups (`GroupedTensor`) are kept as they are where they are the format
-    wanted, and dequantized and quantized again where they are not."""
-    fused_expected = flatten_dict(abstract_params(config), sep="/", is_leaf=lambda _, node: quant.is_quantized(node))
-    expected = jax.eval_shape(lambda tree: split_parts(unstack_layers(tree), config), fused_expected)  # the parts the rules name
-    flat: dict[str, np.ndarray | dict] = {}
-    source_of: dict[str, str] = {}
-    requantized: dict[str, list[float]] = {}  # a source block type -> the relative rounding error of each weight
-    for name in tqdm(list(tensors), desc="converting", unit="tensor", disable=not progress):
-        if any(p.fullmatch(name) for p in IGNORED) or (name == "lm_head.weight" and config.tie_embeddings):
-            continue
-        found = _match(name, config)
-        if found is None:
-            raise CheckpointError(f"unexpected tensor {name}: no {config.architecture} weight has this name")
-        rule, layer = found
-        if layer is not None and int(layer) >= config.num_layers:
-            raise CheckpointError(f"unexpected tensor {name}: the config has only {config.num_layers} layers")
-        w = tensors[name]
-        want = rule.hf_shape(config)
-        if tuple(w.shape) != want:
-            raise CheckpointError(f"tensor {name} has shape {tuple(w.shape)}, but the config implies {want}")
-        for target, out in zip(rule.targets, _from_hf(rule, w, config), strict=True):
-            target = target.format(i=layer)
-            if target in flat:
-                raise CheckpointError(f"tensor {name} sets {target}, which {source_of[target]} already set")
-            flat[target] = _in_format(out, target, config)
-            if isinstance(out, _Spread) and quant.is_quantized(flat[target]) and not _holds(target, out.format, config):
-                n_in = quant.QUANTIZED_INPUTS[target.rsplit("/", 1)[-1]]
-                error = np.asarray(quant.dequantize(flat[target], n_in)) - out.float32()
-                requantized.setdefault(out.source_type, []).append(float(np.sqrt(np.mean(error**2) / np.mean(out.float32() ** 2))))
-            assert jax.tree.map(np.shape, flat[target]) == jax.tree.map(np.shape, expected[target]), (name, target)
-            source_of[target] = name
-        del w
-    missing = [t for t in expected if t not in flat]
-    if missing:
-        raise CheckpointError(f"missing weight {_hf_names_for(missing[0], config)} (needed for {missing[0]})")
-    for kind, errors in requantized.items():  # the nearest format, with the error it costs
-        warnings.warn(f"{len(errors)} {kind} weights are not {config.dtype}'s blocks: quantized again from their values, "
-                      f"relative RMS rounding error {np.mean(errors):.2%} on average, {max(errors):.2%} at most", stacklevel=2)
-    return unflatten_dict(stack_layers(join_parts(flat, config), config), sep="/")  # each step takes `flat`'s entries
-
-
-class _Spread(NamedTuple):
-    """A grouped tensor's part for one target, in our layout, its scales repeated over their groups."""
-
-    codes: np.ndarray
-    scale: np.ndarray
-    min: np.ndarray | None
-    format: quant.Format
-    source_type: str
-
-    def float32(self) -> np.ndarray:
-        value = self.codes.astype(np.float32) * self.scale.astype(np.float32)
-        return value if self.min is None else value + self.min.astype(np.float32)
-
-
-def _from_hf(rule: Rule, w: np.ndarray | GroupedTensor, config: ModelConfig) -> tuple:
-    """`rule.from_hf`; a grouped tensor's codes, scales and minimums each take the weight's layout."""
-    if not isinstance(w, GroupedTensor):
-        return rule.from_hf(w, config)
-    none = (None,) * len(rule.targets)
-    scale, low = (none if a is None else rule.from_hf(np.repeat(a, w.format.group, axis=1), config) for a in (w.scale, w.min))
-    return tuple(_Spread(*parts, w.format, w.source_type) for parts in zip(rule.from_hf(w.codes, config), scale, low, strict=True))
-
-
-def _holds(target: str, fmt: quant.Format, config: ModelConfig) -> bool:
-    """Whether the model's format of `target` holds every value of format `fmt` exactly."""
-    own = quant.format_for(config, target.rsplit("/", 1)[-1])
-    return fmt.widest(own) == own
-
-
-def _in_format(out: np.ndarray | _Spread, target: str, config: ModelConfig):
-    """A target's array in the config's format: its float type, or quantized (`quant`), with a
-    source's groups kept where that format holds them (wider codes, finer groups, float32 scales
-    are exact) and requantized from float32 where not."""
-    name = target.rsplit("/", 1)[-1]
-    if not (config.quantized and name in quant.QUANTIZED_INPUTS):
-        return np.ascontiguousarray(out.float32() if isinstance(out, _Spread) else out, dtype=config.jnp_dtype)
-    n_in, fmt = quant.QUANTIZED_INPUTS[name], quant.format_for(config, name)
-    if not (isinstance(out, _Spread) and _holds(target, out.format, config)):
-        return quant.quantize(np.ascontiguousarray(out.float32() if isinstance(out, _Spread) else out, np.float32), n_in, fmt)
-    once = (slice(None),) * (n_in - 1) + (slice(None, None, fmt.group),)  # one entry per group
-    scale = out.scale[once].astype(fmt.scale_dtype)
-    if fmt.bits == 4:
-        kept = {"values": quant.pack_nibbles(out.codes, n_in), "scale": scale, "min": out.min[once].astype(fmt.scale_dtype)}
-    else:
-        kept = {"values": out.codes.astype(np.int8), "scale": scale}  # 4-bit codes 0..15 widen exactly
-        if fmt.min:
-            kept["min"] = np.zeros_like(scale) if out.min is None else out.min[once].astype(np.float32)
-    return {k: np.ascontiguousarray(v) for k, v in kept.items()}
-
-
-def kept_formats(source_formats: Mapping[str, quant.Format], config: ModelConfig) -> tuple[tuple[str, str], ...]:
-    """The `weight_formats` of a quantized model that holds a source's blocks exactly: per weight, the
-    narrowest format that holds each of its tensors' kept formats (`HFSource.kept_formats`) and has
-    the dtype's bits at least (vocabulary tables 8). A weight with no kept tensor takes the dtype's format."""
-    formats: dict[str, quant.Format] = {}
-    for hf, fmt in source_formats.items():
-        found = _match(hf, config)
-        if found is None:
-            continue
-        for target in found[0].targets:
-            part = target.rsplit("/", 1)[-1]
-            if part in quant.QUANTIZED_INPUTS:
-                name = quant.FUSED_INTO.get(part, part)
-                formats[name] = formats[name].widest(fmt) if name in formats else fmt
-    if config.dtype == "int8":
-        formats = {name: fmt.widest(quant.INT8) for name, fmt in formats.items()}
-    formats = {name: fmt.widest(quant.INT8) if name in quant.VOCABULARY_TABLES else fmt for name, fmt in formats.items()}
-    return tuple((name, fmt.name) for name, fmt in sorted(formats.items()) if fmt != quant.format_for(config, name))
 
 
 def params_to_hf(params, config: ModelConfig) -> dict[str, np.ndarray]:
@@ -398,7 +261,7 @@ def params_to_hf(params, config: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def _match(name: str, config: ModelConfig) -> tuple[Rule, str | None] | None:
+def match_rule(name: str, config: ModelConfig) -> tuple[Rule, str | None] | None:
     for rule in RULES:
         m = rule.regex.fullmatch(name) if rule.when(config) else None
         if m:
@@ -406,7 +269,7 @@ def _match(name: str, config: ModelConfig) -> tuple[Rule, str | None] | None:
     return None
 
 
-def _hf_names_for(target: str, config: ModelConfig) -> str:
+def hf_names_for(target: str, config: ModelConfig) -> str:
     m = re.fullmatch(r"layer_(\d+)/.*", target)
     i = m.group(1) if m else None
     generic = re.sub(r"layer_\d+/", _OURS, target)

@@ -41,29 +41,45 @@ def mask_row_plan(
 def add_mask_row(
     params: dict, config: ModelConfig, tokenizer_size: int | None, recorded: int | None = None, reserved: int | None = None
 ) -> tuple[dict, ModelConfig]:
-    """Reserves or appends the mask token's embedding row and records its id in the config.
-    A new row is the mean embedding, with a zero logit column when the head is untied."""
+    """Reserves or appends the mask token's embedding row and records its id in the config. A new row
+    is the mean embedding, with a zero logit column when the head is untied. The tables are replaced
+    in `params` itself, one at a time, so a model's table is never held three times."""
     mask_id, append = mask_row_plan(config.vocab_size, tokenizer_size, recorded, reserved)
     if append:
-        embed = params["embed"]
-        if quant.is_quantized(embed):
-            mean = quant.quantize(np.asarray(quant.dense(embed)).mean(axis=1, keepdims=True), 1, quant.format_of(embed, 1))
-            params = {**params, "embed": {k: np.concatenate([embed[k], mean[k]], axis=1) for k in embed}}
+        mean = _mean_column(params["embed"])
+        if quant.is_quantized(params["embed"]):
+            mean = quant.quantize(mean, 1, quant.format_of(params["embed"], 1))
+            for k in list(params["embed"]):
+                params["embed"][k] = np.concatenate([params["embed"][k], mean[k]], axis=1)
         else:
-            mean = embed.astype(np.float32).mean(axis=1, keepdims=True).astype(embed.dtype)
-            params = {**params, "embed": np.concatenate([embed, mean], axis=1)}
+            params["embed"] = np.concatenate([params["embed"], mean.astype(params["embed"].dtype)], axis=1)
         if not config.tie_embeddings:
             params["lm_head"] = _pad(params["lm_head"], 1)
         config = config.replace(vocab_size=config.vocab_size + 1, output_vocab_size=config.produced_vocab_size)
     return params, config.replace(mask_token_id=mask_id)
 
 
+def _mean_column(table_DV, columns_per_step: int = 8192) -> np.ndarray:
+    """The table's mean column `[D, 1]` in float32, summed a slice of columns at a time: a quantized
+    table is never dequantized whole."""
+    quantized = quant.is_quantized(table_DV)
+    vocab = (table_DV["values"] if quantized else table_DV).shape[1]
+    total = 0.0
+    for start in range(0, vocab, columns_per_step):
+        at = (slice(None), slice(start, start + columns_per_step))
+        part = {k: v[at] for k, v in table_DV.items()} if quantized else table_DV[at]
+        total = total + np.asarray(quant.dense(part), np.float32).sum(axis=1, keepdims=True, dtype=np.float64)
+    return (total / vocab).astype(np.float32)
+
+
 def pad_vocab(params: dict, config: ModelConfig, output_vocab_size: int | None = None) -> tuple[dict, ModelConfig]:
     """Zero rows up to a multiple of PAD_MULTIPLE; rows from `output_vocab_size` (default: the
-    vocabulary before padding) on are never produced."""
+    vocabulary before padding) on are never produced. In `params` itself, a table at a time."""
     padded = -(-config.vocab_size // PAD_MULTIPLE) * PAD_MULTIPLE
     output = output_vocab_size or config.produced_vocab_size
-    params = {**params, **{k: _pad(params[k], padded - config.vocab_size) for k in VOCAB_TABLES if k in params}}
+    for k in VOCAB_TABLES:
+        if k in params:
+            params[k] = _pad(params[k], padded - config.vocab_size)
     return params, config.replace(vocab_size=padded, output_vocab_size=None if output == padded else output)
 
 
@@ -83,7 +99,11 @@ def unpad_vocab(params: dict, config: ModelConfig) -> tuple[dict, ModelConfig]:
 def _pad(table_DV, columns: int):
     """Zero columns appended (to each part of a quantized table: codes and scales of zero are zero)."""
     if quant.is_quantized(table_DV):
-        return {k: _pad(v, columns) for k, v in table_DV.items()}
+        for k in list(table_DV):  # each part replaced as it is padded
+            table_DV[k] = _pad(table_DV[k], columns)
+        return table_DV
+    if columns == 0:
+        return table_DV  # not a copy: a table is a large part of a model
     return np.concatenate([table_DV, np.zeros((table_DV.shape[0], columns), table_DV.dtype)], axis=1)
 
 

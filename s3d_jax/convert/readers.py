@@ -62,17 +62,30 @@ class GroupedTensor:
 
 class LazyTensors(Mapping):
     """A read-only name -> numpy array mapping that loads each array only when it is looked up,
-    so a big model never sits in memory twice."""
+    so a big model never sits in memory twice. `rows(name, start, stop)` loads a slice of the rows
+    alone, and `shape(name)` is the shape the source's header states.
+    `load(name, rows)` reads a tensor's `rows` (a slice)."""
 
-    def __init__(self, names: list[str], load: Callable[[str], np.ndarray]):
+    def __init__(self, names: list[str], load: Callable[[str, slice], np.ndarray], shape: Callable[[str], tuple[int, ...]]):
         self._names = list(names)
         self._known = set(self._names)
         self._load = load
+        self._shape = shape
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._known:
+            raise KeyError(name)
+        return tuple(self._shape(name))
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._known:
             raise KeyError(name)
-        return self._load(name)
+        return self._load(name, slice(None))
+
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        if name not in self._known:
+            raise KeyError(name)
+        return self._load(name, slice(start, stop))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -152,17 +165,20 @@ def _safetensors(path: Path, weight_map: dict[str, str] | None) -> LazyTensors:
         if lost:
             raise CheckpointError(f"{lost[0]} is listed in the index but missing from {path / weight_map[lost[0]]}")
 
-    def load(name: str) -> np.ndarray:
+    def load(name: str, rows: slice) -> np.ndarray:
         file = where[name]
         try:
-            return handles[file].get_tensor(name)
+            # A file of its own for each read: the pages of the file's memory map that a read touches
+            # stay resident while it is open, the whole checkpoint by the end of a conversion.
+            with safe_open(str(path / file), framework="numpy") as f:
+                return f.get_tensor(name) if rows == slice(None) else f.get_slice(name)[rows]
         except TypeError:  # older safetensors: numpy has no bfloat16, flax does.
             with safe_open(str(path / file), framework="flax") as f:
-                return np.asarray(f.get_tensor(name))
+                return np.asarray(f.get_slice(name)[rows])
         except Exception as e:
             raise CheckpointError(f"cannot read tensor {name} from {path / file}: {e}") from None
 
-    return LazyTensors(names, load)
+    return LazyTensors(names, load, lambda name: handles[where[name]].get_slice(name).get_shape())
 
 
 def _torch_bins(path: Path, weight_map: dict[str, str] | None) -> LazyTensors:
@@ -192,13 +208,13 @@ def _torch_bins(path: Path, weight_map: dict[str, str] | None) -> LazyTensors:
                 names.append(key)
                 where[key] = file
 
-    def load(name: str) -> np.ndarray:
-        t = shards[where[name]][name].detach()
+    def load(name: str, rows: slice) -> np.ndarray:
+        t = shards[where[name]][name].detach()[rows]
         if t.dtype == torch.bfloat16:  # numpy has no bfloat16; the widening is exact.
             t = t.float()
         return t.numpy()
 
-    return LazyTensors(names, load)
+    return LazyTensors(names, load, lambda name: shards[where[name]][name].shape)
 
 
 def _tokenizer(path: Path):
