@@ -24,13 +24,13 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
 import sys
 import time
 import types
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -256,13 +256,19 @@ def machine() -> str:
             f"jax {jax.__version__}, jaxlib {jaxlib.__version__}; few-row kernel {'on' if few_rows.switched_on() else 'off'}")
 
 
+# What the measured passes are, as a number: raise it with a change that alters what a pass costs
+# (the loop, a pass's program), so that calibrations made before it are measured again. The key
+# names what costs depend on: the machine, the model's shapes and dtype, the kernel build, and this.
+PASSES_VERSION = 1
+
+
 @functools.cache
-def code_digest() -> str:
-    """The package's Python source: a pass costs what its code makes of it, which a release or an edit changes."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.rglob("*.py")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+def release() -> str:
+    """The installed s3d-jax's version: a release may measure passes that cost otherwise."""
+    try:
+        return importlib.metadata.version("s3d-jax")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "source"
 
 
 def cache_file(model: Model):
@@ -271,7 +277,7 @@ def cache_file(model: Model):
     fields = {"machine": machine(), "model": c.replace(draft_skip=None, draft_gamma=None, draft_lora_rank=0, draft_vocab_size=0,
                                                       draft_tree=0).to_json(),
               "drafter": drafter, "sizes": TREE_SIZES, "context": CONTEXT,
-              "kernel": few_rows.build_id() if few_rows.switched_on() else None, "code": code_digest()}
+              "kernel": few_rows.build_id() if few_rows.switched_on() else None, "passes": PASSES_VERSION, "release": release()}
     mesh = sharding.mesh_shape(model.params)
     if mesh:  # a model split over devices has costs of its own
         fields["mesh"] = mesh

@@ -57,8 +57,11 @@ def test_calibration_measures_once_per_machine_and_model(model, monkeypatch, cap
     # Another dtype or another drafter is another calibration.
     assert calibration.cache_file(Model(model.params, model.config.replace(dtype="bfloat16"))) != path
     assert calibration.cache_file(Model(model.params, model.config.replace(draft_gamma=2))) != path
-    with monkeypatch.context() as patch:  # and so is other code
-        patch.setattr(calibration, "code_digest", lambda: "another release")
+    with monkeypatch.context() as patch:  # and so are other passes, and another release
+        patch.setattr(calibration, "PASSES_VERSION", calibration.PASSES_VERSION + 1)
+        assert calibration.cache_file(model) != path
+        patch.undo()
+        patch.setattr(calibration, "release", lambda: "another release")
         assert calibration.cache_file(model) != path
     path.write_text("{not json")  # a damaged file is measured again, not an error
     assert calibration.calibrate(model, force=False).step == 1.0
