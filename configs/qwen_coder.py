@@ -2,13 +2,14 @@
 the model's own greedy replies to ShareGPT prompts, in stages of at most about three hours of CPU each.
 
     make qwen
-    python -m s3d_jax.self_data --model qwen2.5-coder-0.5b --out runs/qwen_coder_replies_1.jsonl --limit 1600 --batch 64 \
+    python -m s3d_jax.self_data --model qwen2.5-coder-0.5b --out data/qwen_coder_replies_1.jsonl --limit 1600 --batch 64 \
         --max-new-tokens 256 --max-prompt-tokens 192
     python -m s3d_jax.train --config configs/qwen_coder.py --workdir runs/qwen_coder_drafter
     python -m s3d_jax.predict --model qwen2.5-coder-0.5b --drafters runs/qwen_coder_drafter/drafter.safetensors --profile 24 \
         --max-new-tokens 128
 
-or `make qwen-drafter`. Every step resumes where a killed run stopped.
+or `make qwen-drafter`. Every step resumes where a killed run stopped. The replies file is committed
+as it grows (data/), so generating them may span sessions.
 
 SmolLM2's shipped recipe (configs/smollm2.py: the verifier's distribution as the target, LoRA rank 32,
 a draft head over the 8192 most frequent reply tokens) on the larger model. The reduced draft head
@@ -26,6 +27,6 @@ from s3d_jax.train.config import sibling_config
 def get_config():
     c = sibling_config(__file__, "smollm2")
     c.model_path = "qwen2.5-coder-0.5b"
-    c.data.path = "runs/qwen_coder_replies_1.jsonl"
+    c.data.path = "data/qwen_coder_replies_1.jsonl"
     c.s3d.skip = (6, 17)  # 12 of 24 layers skipped, centred
     return c

@@ -104,16 +104,17 @@ class _StreamingWriter(ocp.type_handlers.NumpyHandler):
         if not isinstance(value, LayerStack):
             return await super()._open_and_write(value, tspec, ts_context)
         self._step = self._step or asyncio.Condition()
-        stored = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
+        stored = None
         for i in range(value.shape[0]):
             if self.error is None:
-                try:
+                try:  # any failure is kept, and raised by `save`: a stack that stopped would leave the others waiting
+                    if stored is None:
+                        stored = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
                     layer = np.asarray(value.layer(i), value.dtype)
-                except Exception as e:  # kept, and raised by `save`
-                    self.error = e
-                else:
                     await stored[i].write(layer, can_reference_source_data_indefinitely=True)  # no copy: nothing changes it
                     del layer
+                except Exception as e:
+                    self.error = e
             async with self._step:  # every stack finishes layer i before any makes layer i + 1
                 self._written[i] += 1
                 if self._written[i] == self._stacks:
@@ -136,9 +137,9 @@ def _return_freed_memory() -> None:
 def _glibc():
     try:
         libc = ctypes.CDLL(None)
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:
+    except (OSError, TypeError):  # no C library to open by that name (Windows)
         return None
+    return libc if hasattr(libc, "malloc_trim") else None
 
 
 _LIBC = _glibc()

@@ -19,7 +19,7 @@ import s3d_jax
 from s3d_jax import checkpoint
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import ConfigError, ModelConfig
-from s3d_jax.convert import convert, main
+from s3d_jax.convert import convert, main, readers
 from s3d_jax.convert.gguf_file import check_header
 
 # --------------------------------------------------------------------------------------------
@@ -152,6 +152,22 @@ def test_extra_layer(hf_copy, tmp_path):
     edit_tensors(hf_copy, lambda t: t.update({name: np.ones(64, np.float32)}))
     with pytest.raises(CheckpointError, match=rf"unexpected tensor {name}.*2 layers"):
         convert(hf_copy, tmp_path / "out", progress=False)
+
+
+def test_a_layer_that_cannot_be_read_midway_stops_the_conversion_and_leaves_nothing(hf_copy, tmp_path, monkeypatch):
+    """The layers are read as they are written (`checkpoint.LayerStack`): a read that fails on the last
+    layer, after the others were written, raises the source's own error, and no output is left."""
+    real = readers.LazyTensors.__getitem__
+
+    def damaged(tensors, name):
+        if name.startswith("model.layers.1."):
+            raise CheckpointError(f"cannot read tensor {name}: damaged")
+        return real(tensors, name)
+
+    monkeypatch.setattr(readers.LazyTensors, "__getitem__", damaged)
+    with pytest.raises(CheckpointError, match=r"cannot read tensor model\.layers\.1\..*: damaged"):
+        convert(hf_copy, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.*"))
 
 
 def test_corrupt_gguf(tmp_path):
