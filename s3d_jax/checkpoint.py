@@ -69,18 +69,8 @@ class LayerStack:
     layer: Callable[[int], np.ndarray]
 
     @property
-    def size(self) -> int:
+    def size(self) -> int:  # orbax refuses an empty array by it
         return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
-
-    def materialized(self) -> np.ndarray:
-        whole = np.empty(self.shape, self.dtype)
-        for i in range(self.shape[0]):
-            whole[i] = self.layer(i)
-        return whole
 
 
 class _StreamingWriter(ocp.type_handlers.NumpyHandler):

@@ -80,11 +80,10 @@ def params_from_hf(tensors: Mapping[str, np.ndarray | GroupedTensor], config: Mo
             _warn_requantized(requantized, config)
         return joined
 
-    def stack(name: str, want):
-        def part(key=None):
-            shape, dtype = (want if key is None else want[key]).shape, (want if key is None else want[key]).dtype
-            return LayerStack(shape, dtype, lambda i: layer(i)[name] if key is None else layer(i)[name][key])
-        return {key: part(key) for key in want} if quant.is_quantized(want) else part()
+    def stack(name: str, want):  # a quantized weight's values, scale and min are stacks of their own
+        if quant.is_quantized(want):
+            return {key: LayerStack(part.shape, part.dtype, lambda i, key=key: layer(i)[name][key]) for key, part in want.items()}
+        return LayerStack(want.shape, want.dtype, lambda i: layer(i)[name])
 
     top = join_parts(read(by_layer.get(None, [])), config)
     stacks = {path: stack(path.removeprefix("layers/"), want) for path, want in fused_expected.items() if path.startswith("layers/")}
