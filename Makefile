@@ -65,9 +65,10 @@ drafter: install
 	$(PY) -m s3d_jax.predict --drafters runs/smollm2_drafter_4/drafter.safetensors --profile 24 --max-new-tokens 128
 
 # Qwen2.5-Coder-0.5B's drafter, its first stage (configs/qwen_coder.py): the model's own replies to
-# 1,600 ShareGPT prompts (about 300k tokens, three hours on 2 cores), the training run, then its
-# acceptance profile. Each step resumes a killed run. The replies are committed (data/) as they
-# grow, so a stage spread over sessions resumes where the last one stopped. Not yet shipped: see docs/training.md.
+# 1,600 ShareGPT prompts (about 300k tokens, three hours on 2 cores; committed in data/, so a stage
+# spread over sessions resumes where the last one stopped), the training run (90 steps, about two hours
+# with the CPU to itself), then its acceptance profile. Each step resumes a killed run. Not yet
+# shipped: see docs/training.md.
 qwen-drafter: qwen
 	$(PY) -m s3d_jax.self_data --model qwen2.5-coder-0.5b --out data/qwen_coder_replies_1.jsonl --limit 1600 --batch 64 --max-new-tokens 256 --max-prompt-tokens 192
 	$(PY) -m s3d_jax.train --config configs/qwen_coder.py --workdir runs/qwen_coder_drafter

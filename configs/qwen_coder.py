@@ -29,4 +29,9 @@ def get_config():
     c.model_path = "qwen2.5-coder-0.5b"
     c.data.path = "data/qwen_coder_replies_1.jsonl"
     c.s3d.skip = (6, 17)  # 12 of 24 layers skipped, centred
+    # 90 steps of 2,560 tokens, three quarters of a pass over the stage's 300k: about two hours at the
+    # 80 s a step measured on 2 cores, so that the run fits one session with the CPU to itself (a
+    # session's workdir does not outlive it). Rows of 8 as 2 x 4: the same step as SmolLM2's 8 rows in
+    # less memory (17.7 GB at 8 rows at once; 14.7 GB at 2 x 4 after five steps, docs/training.md).
+    c.train.update(steps=90, warmup_steps=8, batch_size=4, grad_accum=2, eval_every=15, checkpoint_every=5)
     return c

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import few_rows
+from s3d_jax import ops
 
 
 class DraftLoRA(nn.Module):
@@ -22,7 +22,7 @@ class DraftLoRA(nn.Module):
     adapters would. The products go through the few-row kernel as the projections' do: in bfloat16,
     XLA's dot made a draft of 4 cost 0.88 plain steps against 0.80 (docs/cpu.md), and its batched
     dot for B cost a float32 draft of 4 about 1.8 ms more (docs/cpu.md, "The loop's own operations").
-    A is read in the projection's own kernel call (`few_rows.matmuls`): 60 fewer calls per draft."""
+    A is read in the projection's own kernel call (`ops.matmuls`): 60 fewer calls per draft."""
 
     rank: int
     layers: int  # a stack of adapters, one per draft layer (`model.linear`), of which a call reads entry `entry`
@@ -37,19 +37,19 @@ class DraftLoRA(nn.Module):
     @nn.compact
     def __call__(self, x, layer, entry, projection):
         """`(x @ projection[layer], x A[entry] B[entry])`: the projection's product and the update, x's
-        products with the projection and with A in one call (`few_rows.matmuls`)."""
+        products with the projection and with A in one call (`ops.matmuls`)."""
         n_in, r, L = len(self.in_shape), self.rank, self.layers
         parts = 1 if self.slot_parts is None else max(self.slot_parts) + 1
         a = self.param("a", self.init_a, (L, *self.in_shape, parts * r), self.dtype)
-        y, low = few_rows.matmuls(x, (projection, a), n_in, self.precision, at=(layer, entry))
+        y, low = ops.matmuls(x, (projection, a), n_in, self.precision, at=(layer, entry))
         if self.slot_parts is None:
             b = self.param("b", nn.initializers.zeros, (L, r, *self.out_shape), self.dtype)
-            return y, few_rows.matmul(low, b, 1, self.precision, at=entry)
+            return y, ops.matmul(low, b, 1, self.precision, at=entry)
         slot_shape = self.out_shape[: self.slot_axis] + self.out_shape[self.slot_axis + 1 :]
         b = self.param("b", nn.initializers.zeros, (L, len(self.slot_parts), r, *slot_shape), self.dtype)
         low = low.reshape(*low.shape[:-1], parts, r)[..., np.asarray(self.slot_parts), :]  # [.., slots, r]
         lead = low.shape[:-2]
         low_SMR = jnp.moveaxis(low, -2, 0).reshape(len(self.slot_parts), -1, r)
-        update = few_rows.batched_matmul(low_SMR, b.reshape(*b.shape[:3], -1), entry, self.precision)  # [slots, M, slot size]
+        update = ops.batched_matmul(low_SMR, b.reshape(*b.shape[:3], -1), entry, self.precision)  # [slots, M, slot size]
         update = update.reshape(len(self.slot_parts), *lead, *slot_shape)
         return y, jnp.moveaxis(update, 0, len(lead) + self.slot_axis).astype(x.dtype)

@@ -13,16 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import bundled, calibration, checkpoint, compile_cache, cpu, decoding, sharding
+from s3d_jax import bundled, checkpoint, compile_cache, cpu, decoding, planning, sharding
 from s3d_jax import drafter as drafter_lib
 from s3d_jax.checkpoint import Model
-from s3d_jax.config import ConfigError, ModelConfig, validate_skip
+from s3d_jax.config import ConfigError, ModelConfig
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
 from s3d_jax.model import full_pass, lm_logits
-from s3d_jax.options import DEFAULT_GAMMA, DEFAULT_MIN_CERTAINTY, DecodeOptions, bucket, check_int, default_skip, prompt_bucket
-from s3d_jax.sampling import Sampling
-from s3d_jax.speculative import Plan
-from s3d_jax.speedup import NEVER, Policy
+from s3d_jax.options import DecodeOptions, bucket, check_int, prompt_bucket
+from s3d_jax.speedup import NEVER
 
 BUNDLED_DRAFTER = "bundled"
 
@@ -264,61 +262,6 @@ def options_from(options: DecodeOptions | None, overrides: dict) -> DecodeOption
     return options.replace(**overrides) if overrides else options
 
 
-def drafting_policy(model: Model, options: DecodeOptions) -> Policy | None:
-    """The calibrated policy for what greedy S3D left open (tree, lookup and min_certainty all unset,
-    γ the drafter's): chosen from this machine's pass costs for the model (`calibrate`, measured once)
-    and the drafter's acceptance profile. None where a field is given, the drafter has no profile,
-    or `S3D_JAX_CALIBRATE=0`: the fixed defaults apply."""
-    open_ = options.tree is None and options.lookup is None and options.min_certainty is None
-    drafter_gamma = options.gamma is None or options.gamma == model.config.draft_gamma
-    if not (options.method == "s3d" and options.temperature == 0 and open_ and drafter_gamma):
-        return None
-    return calibration.drafting_policy(model)
-
-
-def plan_for(config: ModelConfig, options: DecodeOptions, policy: Policy | None = None) -> Plan:
-    """The static plan: method, γ and skip (options, else the checkpoint's drafter, else defaults);
-    a calibrated `policy` sets what the options left open."""
-    if policy is not None and policy.plain:
-        return plan_for(config, options.replace(method="ar"))
-    if options.top_k > config.vocab_size:
-        raise ValueError(f"top_k {options.top_k} exceeds the vocabulary of {config.vocab_size}")
-    sampling = Sampling(options.temperature, options.top_k, options.top_p)
-    if options.method == "ar":
-        return Plan.make(config, "ar", 0, None, sampling)
-    gamma = (config.draft_gamma or DEFAULT_GAMMA) if options.gamma is None else options.gamma
-    skip = options.skip if options.skip is not None else config.draft_skip or default_skip(config.num_layers)
-    skip = validate_skip(skip, config.num_layers)
-    if config.draft_lora_rank and skip != config.draft_skip:
-        raise ValueError(f"this model's draft adapters belong to the layers outside its skip range {list(config.draft_skip)}: "
-                         f"it drafts with that range, not {list(skip)}")
-    if options.method == "s3d" and config.mask_token_id is None:
-        raise ValueError(
-            "this checkpoint has no mask token row (mask_token_id is unset): S3D drafting needs one; "
-            "convert it again with tools/convert_hf.py"
-        )
-    # The drafter's default tree is for greedy S3D (its size was chosen for greedy acceptance); sampling asks explicitly.
-    default_tree = config.draft_tree if options.method == "s3d" and sampling.greedy else 0
-    tree = default_tree if options.tree is None else options.tree
-    draftable = config.draft_vocab_size or config.produced_vocab_size - (config.mask_token_id is not None)
-    if tree > draftable:
-        raise ValueError(f"tree {tree} has more nodes than the {draftable} tokens the draft can propose at each depth")
-    if options.lookup and not tree:
-        raise ValueError("lookup verifies a context branch through a token tree's slots, and this decode drafts the argmax chain: "
-                         "give tree=N")
-    lookup = bool(tree) if options.lookup is None else options.lookup
-    if policy is not None:
-        tree, lookup = policy.tree, policy.lookup
-    if options.min_certainty and not tree:
-        raise ValueError("min_certainty chooses between a drafted token tree and a plain step, and this decode drafts the argmax chain: "
-                         "give tree=N")
-    min_certainty = (DEFAULT_MIN_CERTAINTY if tree and sampling.greedy else 0.0) if options.min_certainty is None else options.min_certainty
-    drafted_cost = 0.0
-    if policy is not None:
-        min_certainty, drafted_cost = policy.min_certainty, policy.drafted_cost
-    return Plan.make(config, options.method, gamma, skip, sampling, tree, lookup, min_certainty, drafted_cost)
-
-
 def eos_ids_for(model: Model, options: DecodeOptions) -> tuple[int, ...]:
     """The tokens that end a reply: the options', else the checkpoint's and the tokenizer's."""
     cfg, eos_token_ids = model.config, options.eos_token_ids
@@ -341,8 +284,8 @@ def prepare(
     options = options_from(options, overrides)
     model = resolve(params, config)
     cfg = model.config
-    policy = drafting_policy(model, options)
-    plan = plan_for(cfg, options, policy)
+    policy, why = planning.drafting_policy(model, options)
+    plan = planning.plan_for(cfg, options, policy)
     max_new_tokens = options.max_new_tokens
     eos_token_ids = eos_ids_for(model, options)
     ids, batched = encode(model, prompt, options.chat)
@@ -368,7 +311,7 @@ def prepare(
     for b, row in enumerate(ids):
         prompts[b, : len(row)] = row
     run = decoding.Run(model.params, cfg, plan, prompts, lengths, max_new_tokens, eos_token_ids, options.seed, max_len,
-                       policy="" if policy is None else policy.describe())
+                       policy=why)
     return model, run, batched
 
 
@@ -379,7 +322,7 @@ def _collect(state: decoding.DecodeState, run: decoding.Run) -> list[list[int]]:
 
 def _output(model: Model, run: decoding.Run, state, batched: bool, seconds: float) -> DecodeOutput:
     tokens = _collect(state, run)
-    hist, branch_only, plain_steps = sharding.to_host((state.accept_histogram, state.branch_only, state.plain_steps))
+    hist, branch_only, plain_steps = sharding.to_host((state.stats.accept_histogram, state.stats.branch_only, state.stats.plain_steps))
     stats = DecodeStats(
         method=run.plan.method,
         gamma=run.plan.gamma,

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from s3d_jax.config import COMPUTE_DTYPE, ModelConfig
-from s3d_jax.model import Prefix, causal_mask, full_pass, run_layers
+from s3d_jax.model import causal_mask, full_pass, run_layers
+from s3d_jax.ops import Context, Prefix, ordered_after
 
 
 @flax.struct.dataclass
@@ -59,10 +60,13 @@ def _put(stack, block, layers, lengths_B, axis: int):
                            mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
-def attention_masks(lengths_B, block_len: int):
-    """Masks for a block at `lengths ..`: the cached context (a `Prefix`: slots below each row's length)
-    and the block `[B, T, T]`. Sliding windows are left to each layer (`model.Attention`), which knows its own."""
-    return Prefix(lengths_B), jnp.broadcast_to(causal_mask(block_len), (len(lengths_B), block_len, block_len))
+def context(cache: KVCache, block_mask_BTT) -> Context:
+    """What a block at `lengths ..` attends to: the cache's slots below each row's length (a `Prefix`;
+    slot s holds position s) and the block through `block_mask_BTT`. Sliding windows are left to each
+    layer (`ops.attention`), which knows its own."""
+    B = len(cache.lengths)
+    positions_BS = jnp.broadcast_to(jnp.arange(cache.max_len), (B, cache.max_len))
+    return Context(cache.keys, cache.values, positions_BS, Prefix(cache.lengths), block_mask_BTT)
 
 
 def block_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: tuple[int, ...], draft: bool = False,
@@ -72,13 +76,10 @@ def block_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers
 
     The block is a causal run at positions `lengths ..` unless `positions_BT` and `block_mask_BTT` say
     otherwise (a token tree)."""
-    T = tokens_BT.shape[1]
-    context_mask, block_mask = attention_masks(cache.lengths, T)
-    block_mask = block_mask if block_mask_BTT is None else block_mask_BTT
+    B, T = tokens_BT.shape
+    block_mask_BTT = jnp.broadcast_to(causal_mask(T), (B, T, T)) if block_mask_BTT is None else block_mask_BTT
     positions_BT = cache.block_positions(T) if positions_BT is None else positions_BT
-    context_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (tokens_BT.shape[0], cache.max_len))  # slot s holds position s
-    return run_layers(params, config, tokens_BT, positions_BT, (cache.keys, cache.values), context_positions, context_mask,
-                      block_mask, layers, draft)
+    return run_layers(params, config, tokens_BT, positions_BT, context(cache, block_mask_BTT), layers, draft)
 
 
 def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layers: tuple[int, ...], write: bool, draft: bool = False,
@@ -89,17 +90,8 @@ def cached_forward(params, config: ModelConfig, cache: KVCache, tokens_BT, layer
     """
     hidden, block_kvs = block_forward(params, config, cache, tokens_BT, layers, draft, positions_BT, block_mask_BTT)
     if write:
-        cache = cache.write(layers, after(hidden, block_kvs))
+        cache = cache.write(layers, ordered_after(hidden, block_kvs))
     return hidden, cache
-
-
-def after(output, block_kvs):
-    """`block_kvs`, made to depend on a pass's `output`, which every layer's attention over the cache precedes.
-    A block's keys and values do not depend on its layer's attention, so without this XLA cannot
-    order the cache's reads before its writes and copies every layer's cache on every pass (the cost
-    of a step then grows with the cache's allocated length). Adding zero keeps every value exact."""
-    zero = (jnp.sum(output) > 0).astype(jnp.float32) * 0  # never NaN, and XLA cannot fold it away
-    return jax.tree.map(lambda x: x + zero.astype(x.dtype), block_kvs)
 
 
 def prompt_forward(params, config: ModelConfig, tokens_BT, max_len: int):

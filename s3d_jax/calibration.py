@@ -37,15 +37,16 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from s3d_jax import few_rows, sharding, tree
+from s3d_jax import sharding, tree
 from s3d_jax.cache import KVCache
 from s3d_jax.checkpoint import Model
 from s3d_jax.decoding import compile_ahead
+from s3d_jax.kernel import build, ffi
 from s3d_jax.options import DEFAULT_GAMMA
 from s3d_jax.paths import cache_root
 from s3d_jax.settings import env_setting, env_switch, usable_cores
 from s3d_jax.speculative import Plan, draft_s3d, verify
-from s3d_jax.speedup import Policy, choose_policy
+from s3d_jax.speedup import PassCosts, Policy
 
 ENV_SWITCH = "S3D_JAX_CALIBRATE"
 TREE_SIZES = (4, 8, 16, 24)  # the policy's candidate trees are 4, 8 and 16; 24 bounds their branch-alone passes (N + γ slots)
@@ -74,7 +75,7 @@ def pass_timer(model, pass_fn, context: int = 256, repeats: int = 20):
         def body(i, total):
             return total + pass_fn(params, cache, jnp.full((1,), i % 1000, jnp.int32)).sum()
 
-        with few_rows.switch(few_row_kernel):
+        with ffi.switch(few_row_kernel):
             return jax.lax.fori_loop(0, repeats, body, jnp.zeros((), jnp.float32))
 
     # Compiled as the decode loop is; not kept in its cache, since `loop` closes over `pass_fn`.
@@ -107,7 +108,7 @@ def verify_pass(model, tokens: int):
 def draft_pass(model, skip, gamma: int):
     """One S3D draft pass of `gamma` tokens through the layers outside `skip`, its head also scoring a
     context as long as the cache, as in decoding."""
-    plan = Plan.make(model.config, "s3d", gamma, skip)
+    plan = Plan.make(model.config, "s3d", gamma=gamma, skip=skip)
     config = model.config
     outside = np.arange(config.vocab_size)
     if config.draft_vocab_size:
@@ -161,7 +162,7 @@ def time_passes(model, gamma: int) -> dict:
               **{n: tree_pass(model, n, gamma) for n in TREE_SIZES}}
     # Compiling is most of a calibration (on a GPU nearly all of it), and XLA compiles outside the GIL:
     # the passes compile side by side, as many at a time as this process has cores.
-    few_rows.prepare()  # the kernel's first build, once, before the threads
+    ffi.prepare()  # the kernel's first build, once, before the threads
     with concurrent.futures.ThreadPoolExecutor(min(len(passes), usable_cores())) as pool:
         made = pool.map(lambda fn: pass_timer(model, fn, context=CONTEXT, repeats=REPEATS), passes.values())
         timers = dict(zip(passes, made))
@@ -172,7 +173,7 @@ def time_passes(model, gamma: int) -> dict:
     return rounds
 
 
-def _busy_ticks(cores) -> int | None:
+def busy_ticks(cores) -> int | None:
     """Clock ticks that `cores` have spent busy since boot (Linux's /proc/stat), or None where unreadable."""
     try:
         with open("/proc/stat") as f:
@@ -189,50 +190,13 @@ def other_load():
     ran: `with other_load() as load: ...; load.cores` (None where the kernel does not say)."""
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     load = types.SimpleNamespace(cores=None)
-    ticks, own, start = _busy_ticks(cores), os.times(), time.perf_counter()
+    ticks, own, start = busy_ticks(cores), os.times(), time.perf_counter()
     yield load
-    ticks_after, own_after, wall = _busy_ticks(cores), os.times(), time.perf_counter() - start
+    ticks_after, own_after, wall = busy_ticks(cores), os.times(), time.perf_counter() - start
     if ticks is not None and ticks_after is not None and wall > 0:
         busy = (ticks_after - ticks) / os.sysconf("SC_CLK_TCK")
         mine = own_after.user + own_after.system - own.user - own.system
         load.cores = max(busy - mine, 0.0) / wall
-
-
-@dataclasses.dataclass(frozen=True)
-class PassCosts:
-    """Milliseconds of each pass on this machine, for one model: `step` (one token through the full
-    model), `verify` (γ+1 tokens), `draft` (one S3D pass of γ), `trees[N]` (build and verify a tree of N
-    nodes; an N the calibration did not time is interpolated by rows), the seconds it took, whether the
-    machine was busy with other work meanwhile, and how many calibrations in a row found it so."""
-
-    step: float
-    verify: float
-    draft: float
-    trees: dict
-    gamma: int
-    seconds: float
-    machine: str
-    busy: bool = False
-    tries: int = 1
-
-    def tree(self, nodes: int) -> float:
-        points = sorted({0: self.step, **self.trees}.items())
-        return float(np.interp(nodes, [n for n, _ in points], [ms for _, ms in points]))
-
-    def in_steps(self, sizes, branch_slots: int) -> dict:
-        """The policy's costs in plain steps: a drafted tree of each size, and the branch verified alone
-        through that tree's slots (N + `branch_slots`)."""
-        return {"drafted": {n: (self.draft + self.tree(n)) / self.step for n in sizes},
-                "branch": {n: self.tree(n + branch_slots) / self.step for n in sizes}}
-
-    def policy(self, profile: dict) -> Policy:
-        """The drafting policy these costs and a drafter's acceptance profile choose (`speedup.choose_policy`)."""
-        return choose_policy(self.in_steps(sorted(profile), branch_slots=self.gamma), profile)
-
-    def summary(self) -> str:
-        trees = ", ".join(f"tree {n} {ms / self.step:.2f}" for n, ms in sorted(self.trees.items()))
-        return (f"step {self.step:.1f} ms; in steps: verify of {self.gamma + 1} {self.verify / self.step:.2f}, "
-                f"draft of {self.gamma} {self.draft / self.step:.2f}, {trees}")
 
 
 def switched_on() -> bool:
@@ -253,7 +217,7 @@ def machine() -> str:
     """What pass costs depend on besides the model: processor, usable cores, backend and device, versions."""
     device, processor = jax.devices()[0], _processor()
     return (f"{processor}, {usable_cores()} cores; {device.platform} {device.device_kind} x{jax.device_count()}; "
-            f"jax {jax.__version__}, jaxlib {jaxlib.__version__}; few-row kernel {'on' if few_rows.switched_on() else 'off'}")
+            f"jax {jax.__version__}, jaxlib {jaxlib.__version__}; few-row kernel {'on' if ffi.switched_on() else 'off'}")
 
 
 # What the measured passes are, as a number: raise it with a change that alters what a pass costs
@@ -277,7 +241,7 @@ def cache_file(model: Model):
     fields = {"machine": machine(), "model": c.replace(draft_skip=None, draft_gamma=None, draft_lora_rank=0, draft_vocab_size=0,
                                                       draft_tree=0).to_json(),
               "drafter": drafter, "sizes": TREE_SIZES, "context": CONTEXT,
-              "kernel": few_rows.build_id() if few_rows.switched_on() else None, "passes": PASSES_VERSION, "release": release()}
+              "kernel": build.build_id() if ffi.switched_on() else None, "passes": PASSES_VERSION, "release": release()}
     mesh = sharding.mesh_shape(model.params)
     if mesh:  # a model split over devices has costs of its own
         fields["mesh"] = mesh
@@ -296,7 +260,7 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
     path = cache_file(model)
     known = None if force else _read(path)
     tries = env_setting(ENV_TRIES, BUSY_TRIES, 1)
-    if known is not None and not (known.busy and known.tries < tries and path not in _measured_here):
+    if known is not None and not (known.busy and known.tries < tries and path not in measured_here):
         return known
     if not quiet:
         print("s3d_jax: calibrating pass costs for this machine and model (once; S3D_JAX_CALIBRATE=0 skips) ...", file=sys.stderr)
@@ -321,7 +285,7 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
         else:
             then = f"{costs.tries} calibrations in a row found it so, and these costs stay until s3d_jax.calibrate(model) runs"
         print(f"s3d_jax: warning: the machine looks busy ({what}), so these costs may be off; {then}", file=sys.stderr)
-    _measured_here.add(path)
+    measured_here.add(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(dataclasses.asdict(costs), indent=1))
@@ -332,7 +296,7 @@ def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCost
     return costs
 
 
-_measured_here: set = set()  # cost files this process measured: a busy one is measured again by the next process, not by this one
+measured_here: set = set()  # cost files this process measured: a busy one is measured again by the next process, not by this one
 _costs_read: dict = {}  # cost file -> ((mtime, size), costs): decode parses the file again only when it changed
 
 
@@ -351,23 +315,31 @@ def _read(path) -> PassCosts | None:
     return costs
 
 
-def cached_or_measured(model: Model) -> PassCosts | None:
-    """The costs decode's defaults use: cached, else measured now; None with `S3D_JAX_CALIBRATE=0`."""
-    return calibrate(model, force=False) if switched_on() else None
+def costs_for(model: Model) -> tuple[PassCosts | None, str]:
+    """The costs decode's drafting policy uses, and where they came from: the model's own
+    (`model.costs`), else this machine's cached ones, else measured now; none with `S3D_JAX_CALIBRATE=0`."""
+    if model.costs is not None:
+        return model.costs, "the model's given costs"
+    if not switched_on():
+        return None, f"{ENV_SWITCH}=0"
+    cached = _read(cache_file(model))
+    costs = calibrate(model, force=False)
+    return costs, "costs cached for this machine" if costs is cached else "costs measured now"
 
 
 _policies: dict = {}  # id(profile) -> (profile, the costs, the policy they chose): replaying a profile takes tens of ms
 
 
-def drafting_policy(model: Model) -> Policy | None:
-    """The policy of the model's drafter profile at this machine's costs, chosen once per process for the
-    same costs and profile; None without a profile or with `S3D_JAX_CALIBRATE=0`."""
+def drafting_policy(model: Model) -> tuple[Policy | None, str]:
+    """The policy that the model's pass costs (`costs_for`) and its drafter's acceptance profile choose,
+    once per process for the same costs and profile, and where the costs came from; None, and why,
+    without a profile or costs."""
     if model.profile is None:
-        return None
-    costs = cached_or_measured(model)
+        return None, "the drafter has no acceptance profile"
+    costs, source = costs_for(model)
     if costs is None:
-        return None
+        return None, source
     known = _policies.get(id(model.profile))
     if known is None or known[0] is not model.profile or known[1] != costs:
         known = _policies[id(model.profile)] = (model.profile, costs, costs.policy(model.profile))
-    return known[2]
+    return known[2], source

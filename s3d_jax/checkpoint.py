@@ -34,7 +34,9 @@ from safetensors.numpy import save_file
 
 from s3d_jax import quant, sharding
 from s3d_jax.config import DTYPES, ConfigError, ModelConfig
-from s3d_jax.model import abstract_params, cast_dtype, cast_params
+from s3d_jax.model import abstract_params
+from s3d_jax.quant import cast_dtype, cast_params
+from s3d_jax.speedup import PassCosts
 
 CONFIG_FILE = "s3d_config.json"
 PARAMS_DIR = "params"
@@ -51,12 +53,19 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass
 class Model:
-    """What `s3d_jax.load` returns: params, config and (if known) the tokenizer."""
+    """What `s3d_jax.load` returns: params, config and (if known) the tokenizer, the drafter's
+    acceptance profile and the pass costs that choose how it drafts."""
 
     params: Any
     config: ModelConfig
     tokenizer: Any = None
     profile: dict | None = None  # the applied drafter's acceptance profile (`drafter.Drafter.profile`)
+    # The model's pass costs on this machine (`calibration`): given here (`model.replace(costs=...)`,
+    # `s3d_jax.calibrate`), else decode reads this machine's cached ones or measures them once.
+    costs: PassCosts | None = None
+
+    def replace(self, **changes) -> Model:
+        return dataclasses.replace(self, **changes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -48,7 +48,7 @@ _M_ARENA_MAX = -8  # <malloc.h>
 
 
 @functools.cache
-def _glibc():
+def glibc():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
@@ -59,14 +59,14 @@ def _glibc():
 def limit_heap_arenas() -> None:
     """Has glibc's allocator use `HEAP_ARENAS` arenas for every thread started from now on (a no-op
     elsewhere, or where `MALLOC_ARENA_MAX` is set)."""
-    libc = _glibc()
+    libc = glibc()
     if libc is not None and "MALLOC_ARENA_MAX" not in os.environ:
         libc.mallopt(_M_ARENA_MAX, HEAP_ARENAS)
 
 
 def release_freed_memory() -> None:
     """Hands the heap pages that are free back to the OS (glibc's `malloc_trim`; a no-op elsewhere)."""
-    libc = _glibc()
+    libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)
 

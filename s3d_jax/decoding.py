@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import time
 
 import flax.struct
@@ -16,16 +17,70 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import cpu, few_rows, gpu, tree
+from s3d_jax import cpu, gpu, tree
 from s3d_jax.cache import KVCache, prompt_forward
 from s3d_jax.config import ModelConfig
+from s3d_jax.kernel import dispatch, ffi
 from s3d_jax.model import head_logits
 from s3d_jax.sampling import Sampling, choose
 from s3d_jax.speculative import Plan, accept, draft, verify
 
+# The kinds of iteration: a tree's three, in `jax.lax.switch` order (`tree_iteration`); a chain's are all DRAFTED.
+DRAFTED, BRANCH_ALONE, PLAIN_STEP = 0, 1, 2
+
+
+@flax.struct.dataclass
+class LoopStats:
+    """What the loop counts per row for `DecodeStats`: nothing in an iteration reads it."""
+
+    accept_histogram: jax.Array  # [B, reach+1]: iterations of each row that accepted k = 0..reach drafts
+    branch_only: jax.Array  # [B]: iterations of each row that verified the context branch alone, with no draft pass
+    plain_steps: jax.Array  # [B]: iterations of each row that were one plain step (no active row wanted a draft)
+
+    @classmethod
+    def zeros(cls, batch: int, reach: int) -> LoopStats:
+        return cls(jnp.zeros((batch, reach + 1), jnp.int32), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+    def count(self, active, k, kind) -> LoopStats:
+        """After an iteration of `kind` that accepted `k` drafts in each `active` row. A plain step
+        verified no draft: it counts apart, not as an iteration that accepted none."""
+        plain_step = kind == PLAIN_STEP
+        return LoopStats(self.accept_histogram.at[jnp.arange(len(k)), k].add((active & ~plain_step).astype(jnp.int32)),
+                         self.branch_only + (active & (kind == BRANCH_ALONE)).astype(jnp.int32),
+                         self.plain_steps + (active & plain_step).astype(jnp.int32))
+
+
+@flax.struct.dataclass
+class DraftGate:
+    """What a tree's drafting gate reads and learns per row (`wants_draft`)."""
+
+    certainty: jax.Array  # [B] float32: the verifier's top probability where it picked x_n (kept up to date by trees alone)
+    # [B, 2]: per row, below and at or above `plan.min_certainty`, the tokens its drafted iterations there
+    # emitted beyond their cost in plain steps (`plan.drafted_cost`)
+    draft_surplus: jax.Array
+
+    @classmethod
+    def start(cls, certainty_B) -> DraftGate:
+        return cls(certainty_B, jnp.zeros((len(certainty_B), 2), jnp.float32))
+
+    def certain(self, plan: Plan):
+        """[B] int32: 1 where the verifier picked x_n with at least `plan.min_certainty`, else 0."""
+        return (self.certainty >= plan.min_certainty).astype(jnp.int32)
+
+    def learn(self, plan: Plan, active, kind, k, certainty) -> DraftGate:
+        """After an iteration: each active row's new certainty and, with `plan.drafted_cost`, what a
+        drafted iteration emitted beyond its cost, on the side of the gate it drafted from."""
+        surplus = self.draft_surplus
+        if plan.drafted_cost:
+            gain = jnp.where(active & (kind == DRAFTED), (k + 1).astype(jnp.float32) - plan.drafted_cost, 0.0)
+            surplus = surplus.at[jnp.arange(len(k)), self.certain(plan)].add(gain)
+        return DraftGate(jnp.where(active, certainty, self.certainty), surplus)
+
 
 @flax.struct.dataclass
 class DecodeState:
+    """The loop's state: what decoding needs, the drafting gate's learning and the statistics apart."""
+
     tokens: jax.Array  # [B, L] the prompt, then generated tokens; x_n = tokens[b, cache.lengths[b]]
     cache: KVCache  # full-model keys/values of positions [0, n)
     prompt_lengths: jax.Array  # [B]
@@ -35,13 +90,15 @@ class DecodeState:
     eos_ids: jax.Array  # [EOS_SLOTS x n]: the EOS ids, then -1 (`eos_array`)
     rng: jax.Array
     iteration: jax.Array  # [] iterations run so far
-    accept_histogram: jax.Array  # [B, reach+1]: iterations of each row that accepted k = 0..reach drafts
-    branch_only: jax.Array  # [B]: iterations of each row that verified the context branch alone, with no draft pass
-    certainty: jax.Array  # [B] float32: the verifier's top probability where it picked x_n (kept up to date by trees alone)
-    plain_steps: jax.Array  # [B]: iterations of each row that were one plain step (no active row wanted a draft)
-    # [B, 2]: per row, below and at or above `plan.min_certainty`, the tokens its drafted iterations there
-    # emitted beyond their cost in plain steps (`plan.drafted_cost`; `wants_draft`)
-    draft_surplus: jax.Array
+    stats: LoopStats
+    gate: DraftGate
+
+    SHARED = ("eos_ids", "rng", "iteration")  # the rows share these; every other field is one entry per row
+
+    @classmethod
+    def row_fields(cls) -> tuple[str, ...]:
+        """The fields that hold one entry per row (the cache's along its second axis): a serving slot's."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in cls.SHARED)
 
 
 EOS_SLOTS = 4  # the EOS ids' array is padded to a multiple of this with -1 (no token), so EOS sets share a compile
@@ -68,7 +125,7 @@ def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng
     sampling and the plan's reach (the acceptance histogram's width) shape it, so one prefill serves
     every γ, tree size and method of equal reach."""
     B, P = prompts_BP.shape
-    with few_rows.switch(few_row_kernel):
+    with ffi.switch(few_row_kernel):
         hidden, cache = prompt_forward(params, config, prompts_BP, max_len)
         last_hidden = jnp.take_along_axis(hidden, (prompt_lengths_B - 1)[:, None, None], axis=1)
         first_logits = head_logits(params, config, last_hidden)[:, 0]
@@ -83,24 +140,12 @@ def prefill(params, prompts_BP, prompt_lengths_B, max_new_tokens_B, eos_ids, rng
         num_generated=jnp.ones((B,), jnp.int32),
         done=_is_eos(first, eos_ids) | (max_new_tokens_B <= 1),
         max_new_tokens=max_new_tokens_B,
+        gate=DraftGate.start(top_probability(first_logits)),
+        stats=LoopStats.zeros(B, reach),
         eos_ids=eos_ids,
         rng=rng,
         iteration=jnp.zeros((), jnp.int32),
-        accept_histogram=jnp.zeros((B, reach + 1), jnp.int32),
-        branch_only=jnp.zeros((B,), jnp.int32),
-        certainty=top_probability(first_logits),
-        plain_steps=jnp.zeros((B,), jnp.int32),
-        draft_surplus=jnp.zeros((B, 2), jnp.float32),
     )
-
-
-# The kinds of tree iteration, in `jax.lax.switch` order.
-DRAFTED, BRANCH_ALONE, PLAIN_STEP = 0, 1, 2
-
-
-def certain(plan: Plan, state: DecodeState):
-    """[B] int32: 1 where the verifier picked x_n with at least `plan.min_certainty`, else 0."""
-    return (state.certainty >= plan.min_certainty).astype(jnp.int32)
 
 
 def wants_draft(plan: Plan, state: DecodeState):
@@ -111,10 +156,10 @@ def wants_draft(plan: Plan, state: DecodeState):
     differs more between texts (code against news) than any one gate's replay can see; the slack of
     one iteration keeps a side drafting past a first unlucky draft, which on cheap drafts would cost
     more than it saves (docs/experiments.md, "Drafting learned per decode")."""
-    side = certain(plan, state)
+    side = state.gate.certain(plan)
     if not plan.drafted_cost:
         return side == 1
-    return jnp.take_along_axis(state.draft_surplus, side[:, None], axis=1)[:, 0] + plan.drafted_cost >= 0
+    return jnp.take_along_axis(state.gate.draft_surplus, side[:, None], axis=1)[:, 0] + plan.drafted_cost >= 0
 
 
 def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, x_n_B, draft_rng, accept_rng):
@@ -164,7 +209,7 @@ def tree_iteration(params, config: ModelConfig, plan: Plan, state: DecodeState, 
 
 def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> DecodeState:
     """One draft-verify-accept iteration for every row; finished rows are left unchanged."""
-    B, reach = state.tokens.shape[0], plan.reach
+    reach = plan.reach
     n = state.cache.lengths
     x_n = jnp.take_along_axis(state.tokens, n[:, None], axis=1)[:, 0]
     rng, draft_rng, accept_rng = jax.random.split(state.rng, 3)
@@ -174,7 +219,7 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
         drafts, draft_logits, cache = draft(params, config, plan, state.cache, x_n, draft_rng, state.tokens)
         target_logits, cache = verify(params, config, cache, x_n, drafts)
         k, emitted = accept(accept_rng, drafts, draft_logits, target_logits, plan.sampling)
-        certainty = state.certainty  # only a tree's `min_certainty` reads it: plain decoding spends nothing on it
+        certainty = state.gate.certainty  # only a tree's `min_certainty` reads it: plain decoding spends nothing on it
         kind = jnp.asarray(DRAFTED)
 
     # Keep the emitted tokens up to and including the first EOS, within max_new_tokens.
@@ -192,11 +237,6 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
     )
     num_generated = state.num_generated + count
     active = ~state.done
-    plain_step = kind == PLAIN_STEP
-    surplus = state.draft_surplus
-    if plan.drafted_cost:  # what this drafted iteration emitted beyond its cost, on the side of the gate it drafted from
-        gain = jnp.where(active & (kind == DRAFTED), (k + 1).astype(jnp.float32) - plan.drafted_cost, 0.0)
-        surplus = surplus.at[jnp.arange(B), certain(plan, state)].add(gain)
     return state.replace(
         tokens=tokens,
         cache=cache.replace(lengths=n + count),
@@ -204,18 +244,14 @@ def iterate(params, config: ModelConfig, plan: Plan, state: DecodeState) -> Deco
         done=state.done | (first_eos < count) | (num_generated >= state.max_new_tokens),
         rng=rng,
         iteration=state.iteration + 1,
-        # A plain step verified no draft: it counts apart, not as an iteration that accepted none.
-        accept_histogram=state.accept_histogram.at[jnp.arange(B), k].add((active & ~plain_step).astype(jnp.int32)),
-        branch_only=state.branch_only + (active & (kind == BRANCH_ALONE)).astype(jnp.int32),
-        certainty=jnp.where(active, certainty, state.certainty),
-        plain_steps=state.plain_steps + (active & plain_step).astype(jnp.int32),
-        draft_surplus=surplus,
+        gate=state.gate.learn(plan, active, kind, k, certainty),
+        stats=state.stats.count(active, k, kind),
     )
 
 
 def advance(params, state: DecodeState, stop_iteration, *, config: ModelConfig, plan: Plan, few_row_kernel: bool = True) -> DecodeState:
     """Iterates until every row is done or `stop_iteration` iterations have run in total."""
-    with few_rows.switch(few_row_kernel):
+    with ffi.switch(few_row_kernel):
         return jax.lax.while_loop(
             lambda s: ~jnp.all(s.done) & (s.iteration < stop_iteration),
             lambda s: iterate(params, config, plan, s),
@@ -224,8 +260,8 @@ def advance(params, state: DecodeState, stop_iteration, *, config: ModelConfig, 
 
 
 # `few_row_kernel` is static so that jit's own caches, like `compiled`'s, key on the kernel's switch.
-_prefill_jit = jax.jit(prefill, static_argnames=("config", "sampling", "reach", "max_len", "few_row_kernel"))
-_advance_jit = jax.jit(advance, static_argnames=("config", "plan", "few_row_kernel"), donate_argnames="state")
+prefill_jit = jax.jit(prefill, static_argnames=("config", "sampling", "reach", "max_len", "few_row_kernel"))
+advance_jit = jax.jit(advance, static_argnames=("config", "plan", "few_row_kernel"), donate_argnames="state")
 
 
 # Executables compiled ahead of time, most recently used last. Bounded: a long-lived process that
@@ -235,7 +271,7 @@ _advance_jit = jax.jit(advance, static_argnames=("config", "plan", "few_row_kern
 # stops a process at 65,530 (vm.max_map_count), which XLA's compiler meets as a crash after some 60
 # loops (docs/cpu.md, "Memory mappings").
 MAX_EXECUTABLES = 32
-_executables: collections.OrderedDict = collections.OrderedDict()
+_cached: collections.OrderedDict = collections.OrderedDict()
 _compiles = 0
 
 
@@ -252,39 +288,55 @@ def sharded(args) -> bool:
 def kernel_applies(args) -> bool:
     """The few-row kernel is one device's custom call, which XLA's partitioner cannot split: a sharded
     model's passes use XLA's dot."""
-    return few_rows.switched_on() and not sharded(args)
+    return ffi.switched_on() and not sharded(args)
 
 
 def compile_ahead(fn, *args, few_row_passes: bool = False, **statics):
-    """`fn` (jitted, taking a static `few_row_kernel`) lowered and compiled for the shapes and placements
-    of `args`; returns (executable, seconds). Every decode executable is compiled here, so the few-row
-    kernel's switch, the CPU options of passes of a few rows per sequence (`few_row_passes`: the loop
-    and the pass timings), a GPU's CUDA graphs (`gpu`) and the heap trim apply alike to each."""
+    """`fn` (jitted; a model's passes take a static `few_row_kernel`) lowered and compiled for the shapes
+    and placements of `args` (arrays or ShapeDtypeStructs); returns (executable, seconds). Every
+    executable of decoding, calibration and serving is compiled here, so the few-row kernel's switch,
+    the CPU options of passes of a few rows per sequence (`few_row_passes`: the loop and the pass
+    timings), a GPU's CUDA graphs (`gpu`) and the heap trim apply alike to each."""
     global _compiles
-    few_rows.prepare()
+    ffi.prepare()
     start = time.perf_counter()
     options = dict(cpu.few_row_compiler_options() or {}) if few_row_passes else {}
     options |= gpu.loop_compiler_options()
-    executable = fn.lower(*args, few_row_kernel=kernel_applies(args), **statics).compile(options or None)
+    if "few_row_kernel" in inspect.signature(fn).parameters:
+        statics = {**statics, "few_row_kernel": kernel_applies(args)}
+    executable = fn.lower(*args, **statics).compile(options or None)
     seconds = time.perf_counter() - start
     _compiles += 1
     cpu.release_freed_memory()
     return executable, seconds
 
 
-def compiled(fn, *args, few_row_passes: bool = False, **statics):
-    """`compile_ahead`, cached on the shapes and placements of `args`, the statics and the kernel's switch."""
+def compiled(fn, *args, few_row_passes: bool = False, held: dict | None = None, **statics):
+    """`compile_ahead`, cached on the shapes and placements of `args`, the statics and the kernel's
+    switch. `held`, a caller's own dict, also keeps each executable for as long as the caller lives,
+    past this cache's bound: a server compiles everything it can need at start-up (`serve.engine`)."""
     leaves, treedef = jax.tree.flatten(args)
     shapes = tuple((tuple(x.shape), x.dtype, placement(x)) for x in leaves)
-    key = (fn, tuple(sorted(statics.items())), treedef, shapes, few_row_passes, few_rows.switched_on(), gpu.applies())
-    if key in _executables:
-        _executables.move_to_end(key)
-        return _executables[key], 0.0
-    _executables[key], seconds = compile_ahead(fn, *args, few_row_passes=few_row_passes, **statics)
-    while len(_executables) > MAX_EXECUTABLES:
-        _executables.popitem(last=False)
-        jax.clear_caches()  # what is still in use lives on through its holders (here, and `Run`s)
-    return _executables[key], seconds
+    key = (fn, tuple(sorted(statics.items())), treedef, shapes, few_row_passes, ffi.switched_on(), gpu.applies())
+    if held is not None and key in held:
+        return held[key], 0.0
+    if key in _cached:
+        _cached.move_to_end(key)
+        seconds = 0.0
+    else:
+        _cached[key], seconds = compile_ahead(fn, *args, few_row_passes=few_row_passes, **statics)
+    executable = _cached[key]
+    while len(_cached) > MAX_EXECUTABLES:
+        _cached.popitem(last=False)
+        jax.clear_caches()  # what is still in use lives on through its holders (here, `Run`s and a server's `held`)
+    if held is not None:
+        held[key] = executable
+    return executable, seconds
+
+
+def forget_compiled() -> None:
+    """Drops every cached executable (a `Run` keeps its own): a long test run frees their memory mappings."""
+    _cached.clear()
 
 
 def compile_count() -> int:
@@ -307,14 +359,15 @@ class Run:
     seed: int
     max_len: int
     compile_seconds: float = 0.0
-    policy: str = ""  # the calibrated policy that chose the plan's open fields (`api.drafting_policy`), if any
-    _executables: tuple | None = dataclasses.field(default=None, repr=False)
+    policy: str = ""  # what chose the open fields of greedy S3D's plan, and why (`planning.drafting_policy`)
+    held: dict | None = dataclasses.field(default=None, repr=False)  # the caller's own store of executables (`compiled`)
+    executables: tuple | None = dataclasses.field(default=None, repr=False)  # (prefill, loop), once compiled
 
     @property
     def few_row_passes(self) -> bool:
         """Whether the loop's passes are products of a few rows (batch x the tokens a pass runs per
         row), which the decode loop's CPU options suit; a large batch's are not (docs/cpu.md)."""
-        return len(self.prompts) * (self.plan.block + 1) <= few_rows.MAX_ROWS
+        return len(self.prompts) * (self.plan.block + 1) <= dispatch.MAX_ROWS
 
     def _prefill_args(self):
         return (
@@ -327,34 +380,35 @@ class Run:
         )
 
     def _prefill_executable(self):
-        return compiled(_prefill_jit, *self._prefill_args(), config=self.config, sampling=self.plan.sampling, reach=self.plan.reach,
-                        max_len=self.max_len)
+        return compiled(prefill_jit, *self._prefill_args(), held=self.held, config=self.config, sampling=self.plan.sampling,
+                        reach=self.plan.reach, max_len=self.max_len)
 
     def prefill(self) -> DecodeState:
         """The prefill alone, for a caller that runs the rows in a loop of its own (`serve.engine`)."""
         return self._prefill_executable()[0](*self._prefill_args())
 
     def compile(self) -> None:
-        if self._executables is not None:
+        if self.executables is not None:
             return
         statics = dict(config=self.config, plan=self.plan)
         prefill_exe, prefill_seconds = self._prefill_executable()
         # The loop state's shapes, read off the executable rather than traced a second time.
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement(x)), prefill_exe.out_info)
         stop = jax.ShapeDtypeStruct((), jnp.int32)
-        advance_exe, advance_seconds = compiled(_advance_jit, self.params, state, stop, few_row_passes=self.few_row_passes, **statics)
-        self._executables = (prefill_exe, advance_exe)
+        advance_exe, advance_seconds = compiled(advance_jit, self.params, state, stop, few_row_passes=self.few_row_passes,
+                                                held=self.held, **statics)
+        self.executables = (prefill_exe, advance_exe)
         self.compile_seconds = prefill_seconds + advance_seconds
 
     def start(self) -> DecodeState:
         self.compile()
-        return self._executables[0](*self._prefill_args())
+        return self.executables[0](*self._prefill_args())
 
     def loop_hlo(self) -> str:
         """The compiled loop's HLO text: a profile's operations by the model code that made them (`tools/decode_ab.py --profile`)."""
         self.compile()
-        return self._executables[1].as_text()
+        return self.executables[1].as_text()
 
     def advance(self, state: DecodeState, stop_iteration: int) -> DecodeState:
         self.compile()
-        return self._executables[1](self.params, state, jnp.asarray(stop_iteration, jnp.int32))
+        return self.executables[1](self.params, state, jnp.asarray(stop_iteration, jnp.int32))

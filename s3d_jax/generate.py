@@ -12,8 +12,9 @@ import argparse
 import statistics
 import sys
 
-from s3d_jax import calibration, few_rows, options
+from s3d_jax import calibration, options
 from s3d_jax.api import DecodeOutput, decode, load, stream
+from s3d_jax.kernel import ffi
 
 
 def positive_int(text: str) -> int:
@@ -40,7 +41,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         decode_options = options.DecodeOptions.from_args(args)  # checked before the model loads
-        few_rows.switched_on()  # and so are S3D_JAX_FEW_ROW_KERNEL
+        ffi.switched_on()  # and so are S3D_JAX_FEW_ROW_KERNEL
         calibration.switched_on()  # and S3D_JAX_CALIBRATE
         model = load(**options.load_arguments(args))
         chunks = stream(model, args.prompt, decode_options, chunk_iterations=args.chunk)

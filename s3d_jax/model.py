@@ -8,33 +8,34 @@ Projections that read the same input are one weight (`qkv` `[D, K, G + 2, E]`, `
 and so are their draft adapters (`adapters.DraftLoRA`): one product where there would be several.
 
 The layers are one stack: every layer's weights share one array `[L, ...]` per name (`params["layers"]`),
-and a pass is a `lax.scan` of one `Block` over a static list of layer indices (`layers`): the full
+and a pass is a scan of one `Block` (`LayerScan`) over a static list of layer indices (`layers`): the full
 model is all of them, the S3D drafter the full model minus a middle range. The loop compiles one
 layer's code however many layers run, and each layer's weights and cache are read in place in the
-stack (`few_rows.entry`). Attention always has two key segments:
+stack. Attention always has two key segments, carried together as one `ops.Context`:
   - a *context*: keys and values computed earlier (the KV cache at inference, the clean
-    sequence's target keys in training), visible through `context_mask`;
-  - the block itself, visible through `block_mask`: `[B, T, T]`, or a `Band` when each query sees
+    sequence's target keys in training), visible through its mask;
+  - the block itself, visible through the block mask: `[B, T, T]`, or a `Band` when each query sees
     only the few block keys just before it (training's draft pass under span masking).
 The block's keys and values are returned, stacked over the pass's layers: the caller decides whether
 to cache them. Each layer applies its own sliding window and RoPE (Gemma's layers differ) to both masks.
+
+Every product, attention and table lookup is an operation of `s3d_jax.ops`, which picks the CPU
+kernel, the quantized formats or XLA's operations beneath it: nothing here knows which runs.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import few_rows, quant, tables
+from s3d_jax import ops
 from s3d_jax.adapters import DraftLoRA
 from s3d_jax.config import COMPUTE_DTYPE, ModelConfig
-from s3d_jax.positions import layer_frequencies, rope, window_mask
+from s3d_jax.ops import NEG_INF, Context, softcap
+from s3d_jax.positions import layer_frequencies, rope
 
-NEG_INF = jnp.finfo(jnp.float32).min
 init_normal = nn.initializers.normal(stddev=0.02)
 
 
@@ -55,42 +56,12 @@ def join_qkv(q, k, v, num_kv_heads: int, axis: int = -2) -> np.ndarray:
     return np.concatenate([np.moveaxis(q, -2, axis), np.expand_dims(k, axis), np.expand_dims(v, axis)], axis=axis)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Band:
-    """A block mask as a band: `mask_BTW[b, t, j]` says whether query t sees the block's key t - j.
-    Where no query sees more than W block keys, attention scores W of them instead of all T."""
-
-    mask_BTW: jax.Array
-
-    def keys(self, x_BT):
-        """`[B, T, W, ...]`: at `[b, t, j]` the entry of `x_BT` at t - j (zeros before the start)."""
-        T, W = x_BT.shape[1], self.mask_BTW.shape[-1]
-        padded = jnp.pad(x_BT, [(0, 0), (W - 1, 0)] + [(0, 0)] * (x_BT.ndim - 2))
-        return jnp.stack([padded[:, W - 1 - j : W - 1 - j + T] for j in range(W)], axis=2)
-
-
-@dataclasses.dataclass
-class Prefix:
-    """A context mask as a prefix, row b seeing slots `s < lengths_B[b]` (the KV cache), the only slots a CPU reads."""
-
-    lengths_B: jax.Array
-
-    def mask(self, T: int, S: int):
-        return jnp.broadcast_to(jnp.arange(S)[None, None, :] < self.lengths_B[:, None, None], (len(self.lengths_B), T, S))
-
-
 def weight(module: nn.Module, name: str, in_shape, out_shape):
     """A weight `[*in_shape, *out_shape]`: a float array, or quantized (`quant`), as the params hold it
     (a QLoRA run holds quantized projections beside float tables); a new one in the config's dtype.
     A layer's weights are stacks, their `in_shape` led by the layer axis."""
-    c = module.config
     held = module.get_variable("params", name) if module.has_variable("params", name) else None
-    fmt = (quant.format_of(held, len(in_shape)) if quant.is_quantized(held) else None) if held is not None else (
-        quant.format_for(c, name) if c.quantized else None)
-    if fmt:
-        return module.param(name, quant.initializer(init_normal, fmt), tuple(in_shape), tuple(out_shape))
-    return module.param(name, init_normal, (*in_shape, *out_shape), c.jnp_dtype)
+    return module.param(name, *ops.weight_init(module.config, name, held, tuple(in_shape), tuple(out_shape), init_normal))
 
 
 def vocabulary_table(module: nn.Module, name: str):
@@ -113,9 +84,9 @@ def linear(module: nn.Module, name: str, x, layer, in_shape, out_shape, draft: b
                          init_normal, slot_parts, slot_axis, name=f"{name}_lora")
         y, update = lora(x, layer, jnp.where(layer < low, layer, layer - skipped), w)
     else:
-        y = few_rows.matmul(x, w, len(in_shape), c.precision, at=layer)
+        y = ops.linear(x, w, layer, len(in_shape), c.precision)
     if bias:
-        y = y + few_rows.entry(module.param(f"{name}_bias", nn.initializers.zeros, (L, *out_shape), c.jnp_dtype), layer)
+        y = y + ops.entry(module.param(f"{name}_bias", nn.initializers.zeros, (L, *out_shape), c.jnp_dtype), layer)
     return y if update is None else y + update
 
 
@@ -135,7 +106,7 @@ class RMSNorm(nn.Module):
         if self.layers is None:
             scale_D = self.param("scale", init, (x_BTD.shape[-1],), self.dtype)
         else:
-            scale_D = few_rows.entry(self.param("scale", init, (self.layers, x_BTD.shape[-1]), self.dtype), layer)
+            scale_D = ops.entry(self.param("scale", init, (self.layers, x_BTD.shape[-1]), self.dtype), layer)
         x32 = x_BTD.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         if self.plus_one:
@@ -143,56 +114,11 @@ class RMSNorm(nn.Module):
         return scale_D * normed.astype(x_BTD.dtype)
 
 
-def softcap(x, cap: float | None):
-    """`cap * tanh(x / cap)` (Gemma-2's attention scores and logits); `x` itself without a cap."""
-    return x if cap is None else cap * jnp.tanh(x / cap)
-
-
-def xla_attention(c: ModelConfig, layer, q_BTKGE, k_BTKE, v_BTKE, positions_BT, context_kv, context_positions_BS, context_mask_BTS,
-                  block_mask_BTT, scale: float):
-    """`[B, T, K, G, E]`: attention over the context and the block by XLA's operations, for every pass
-    that `few_rows.cache_attention` does not take (training, the prompt pass, other backends, sharded
-    runs, sliding windows, softcaps, a `Band`)."""
-    B, T, K, G, E = q_BTKGE.shape
-    f32 = jnp.float32
-    k_BKTE, v_BKET = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 3, 1)
-    context_k_LBKSE, context_v_LBKES = context_kv
-    S = context_k_LBKSE.shape[3]
-    band = block_mask_BTT if isinstance(block_mask_BTT, Band) else None
-    context_mask_BTS = context_mask_BTS.mask(T, S) if isinstance(context_mask_BTS, Prefix) else context_mask_BTS
-    scores_ctx = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, few_rows.entry(context_k_LBKSE, layer), preferred_element_type=f32,
-                            precision=c.precision) * scale
-    q_pos_BT1 = positions_BT[:, :, None]
-    if band is not None:  # the block's keys t - j for each query t: a product and sum over E, no matmul
-        k_BTWKE, v_BTWKE = band.keys(k_BTKE), band.keys(v_BTKE)
-        scores_blk = jnp.einsum("btkge,btwke->bkgtw", q_BTKGE, k_BTWKE, precision=c.precision) * scale
-        block_mask_BTT = band.mask_BTW & window_mask(c, layer, q_pos_BT1, band.keys(positions_BT))
-    elif T == 1:  # a plain step: the token's one block key, a product and sum over E rather than a matmul
-        scores_blk = (q_BTKGE * k_BTKE[:, :, :, None]).sum(-1).transpose(0, 2, 3, 1)[..., None] * scale
-    else:
-        scores_blk = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKTE, preferred_element_type=f32, precision=c.precision) * scale
-        block_mask_BTT = block_mask_BTT & window_mask(c, layer, q_pos_BT1, positions_BT[:, None, :])
-    scores_ctx, scores_blk = softcap(scores_ctx, c.attn_softcap), softcap(scores_blk, c.attn_softcap)
-    context_mask_BTS = context_mask_BTS & window_mask(c, layer, q_pos_BT1, context_positions_BS[:, None, :])
-    scores = jnp.concatenate([jnp.where(context_mask_BTS[:, None, None], scores_ctx, NEG_INF),
-                              jnp.where(block_mask_BTT[:, None, None], scores_blk, NEG_INF)], axis=-1)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out_BTKGE = jnp.einsum("bkgts,bkes->btkge", probs[..., :S], few_rows.entry(context_v_LBKES, layer), preferred_element_type=f32,
-                           precision=c.precision)
-    if band is not None:
-        out_BTKGE += jnp.einsum("bkgtw,btwke->btkge", probs[..., S:], v_BTWKE, preferred_element_type=f32, precision=c.precision)
-    elif T == 1:
-        out_BTKGE += probs[..., S:].transpose(0, 3, 1, 2, 4) * v_BTKE[:, :, :, None]
-    else:
-        out_BTKGE += jnp.einsum("bkgts,bkes->btkge", probs[..., S:], v_BKET, preferred_element_type=f32, precision=c.precision)
-    return out_BTKGE
-
-
 class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD, layer, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft: bool):
+    def __call__(self, x_BTD, layer, positions_BT, context: Context, draft: bool):
         c = self.config
         D, H, K, E = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         G = H // K
@@ -206,17 +132,8 @@ class Attention(nn.Module):
         inv_freq = layer_frequencies(c, layer)
         q_BTHE, k_BTKE = rope(q_BTHE, positions_BT, inv_freq), rope(k_BTKE, positions_BT, inv_freq)
 
-        q_BTKGE = q_BTHE.reshape(B, T, K, G, E)
-        context_k_LBKSE, context_v_LBKES = context_kv  # every layer's: this layer's is read in place
         scale = (c.query_pre_attn_scalar or E) ** -0.5
-        lengths_B = context_mask_BTS.lengths_B if isinstance(context_mask_BTS, Prefix) else None  # the cache's
-        if (lengths_B is not None and not isinstance(block_mask_BTT, Band) and c.attn_softcap is None and c.sliding_window is None
-                and few_rows.cache_attention_applies(T, E, q_BTKGE.dtype, context_k_LBKSE.dtype)):  # a decode pass on a CPU
-            out_BTKGE = few_rows.cache_attention(q_BTKGE, context_k_LBKSE, context_v_LBKES, k_BTKE, v_BTKE, block_mask_BTT,
-                                                 lengths_B, layer, scale)
-        else:
-            out_BTKGE = xla_attention(c, layer, q_BTKGE, k_BTKE, v_BTKE, positions_BT, context_kv, context_positions_BS,
-                                      context_mask_BTS, block_mask_BTT, scale)
+        out_BTKGE = ops.attention(c, layer, q_BTHE.reshape(B, T, K, G, E), k_BTKE, v_BTKE, positions_BT, context, scale)
         out_BTD = linear(self, "o", out_BTKGE.reshape(B, T, H, E), layer, (H, E), (D,), draft)
         # Keys are laid out [B, K, S, E] and values [B, K, E, S], as in the cache: in both of XLA's
         # attention matmuls the heads are a batch axis and the contracted axis is minor, the layout
@@ -239,19 +156,19 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Layer `layer` (traced) of the stack: pre-norm attention and MLP, each added to the residual;
-    with `post_norms` (Gemma) their outputs are normed too before the addition."""
+    with `post_norms` (Gemma) their outputs are normed too before the addition. Returns the new
+    residual and the layer's block keys and values (a step of the layer scan, `LayerScan`)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD, layer, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft: bool):
+    def __call__(self, x_BTD, layer, positions_BT, context: Context, draft: bool):
         c = self.config
 
         def norm(name, x):
             return RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one, c.num_layers, name=name)(x, layer)
 
-        attn_out, kv = Attention(c, name="attn")(
-            norm("attn_norm", x_BTD), layer, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft)
+        attn_out, kv = Attention(c, name="attn")(norm("attn_norm", x_BTD), layer, positions_BT, context, draft)
         if c.post_norms:
             attn_out = norm("attn_post_norm", attn_out)
         h_BTD = x_BTD + attn_out
@@ -259,6 +176,13 @@ class Block(nn.Module):
         if c.post_norms:
             mlp_out = norm("mlp_post_norm", mlp_out)
         return h_BTD + mlp_out, kv
+
+
+# The layer stack as one scan of `Block` over layer indices: the stack's weights are shared by every
+# step (broadcast, read in place at the step's layer), the residual is the carry, and each step's
+# keys and values are stacked.
+LayerScan = nn.scan(Block, variable_broadcast="params", split_rngs={"params": False},
+                    in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast))
 
 
 class Transformer(nn.Module):
@@ -269,7 +193,7 @@ class Transformer(nn.Module):
         # One column per token, [D, V]: the layout the (tied) head's matmul reads in place. A step
         # looks up only B x T columns, so the lookup's layout hardly matters.
         self.embedding = vocabulary_table(self, "embed")
-        self.layers = Block(c)
+        self.layers = LayerScan(c)
         self.final_norm = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.norm_plus_one)
         if not c.tie_embeddings:
             self.lm_head = vocabulary_table(self, "lm_head")
@@ -277,27 +201,14 @@ class Transformer(nn.Module):
             self.draft_vocab = self.param("draft_vocab", lambda _: default_draft_vocab(c))
             self.draft_head = self.param("draft_head", lambda _: draft_head_table(self.head(), self.draft_vocab, c))
 
-    def __call__(self, tokens_BT, positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT,
-                 layers: tuple[int, ...], draft: bool = False):
-        """Runs `layers` in order; returns final-normed hidden states and the block's keys `[n, B, K, T, E]`
-        and values `[n, B, K, E, T]`, stacked in the order of `layers`.
-
-        `context_kv` is every layer's context, keys `[L, B, K, S, E]` and values `[L, B, K, E, S]`, at
-        positions `context_positions_BS` (for sliding windows). `draft` applies the draft-only
-        adapters, if the model has them.
-        """
-        x_BTD = jnp.moveaxis(tables.columns(self.embedding, tokens_BT), 0, -1).astype(COMPUTE_DTYPE)
+    def __call__(self, tokens_BT, positions_BT, context: Context, layers: tuple[int, ...], draft: bool = False):
+        """Runs `layers` in order over `context`; returns final-normed hidden states and the block's keys
+        `[n, B, K, T, E]` and values `[n, B, K, E, T]`, stacked in the order of `layers`. `draft`
+        applies the draft-only adapters, if the model has them."""
+        x_BTD = ops.embed(self.embedding, tokens_BT).astype(COMPUTE_DTYPE)
         if self.config.scale_embeddings:  # by sqrt(D) rounded to the weights' dtype, as transformers does
             x_BTD = x_BTD * jnp.asarray(np.float32(self.config.hidden_size**0.5)).astype(self.config.jnp_dtype)
-        inputs = (positions_BT, context_kv, context_positions_BS, context_mask_BTS, block_mask_BTT, draft)
-        if self.is_initializing():  # creates the stack's parameters
-            self.layers(x_BTD, jnp.int32(0), *inputs)
-        stack = {"params": self.layers.variables["params"]}
-
-        def layer_step(x_BTD, layer):  # the stack's weights enter as constants of the loop: no layer is sliced out
-            return Block(self.config, parent=None).apply(stack, x_BTD, layer, *inputs)
-
-        x_BTD, block_kv = jax.lax.scan(layer_step, x_BTD, jnp.asarray(layers, jnp.int32))
+        x_BTD, block_kv = self.layers(x_BTD, jnp.asarray(layers, jnp.int32), positions_BT, context, draft)
         return self.final_norm(x_BTD), block_kv
 
     def head(self):
@@ -306,26 +217,19 @@ class Transformer(nn.Module):
 
     def logits(self, hidden_BTD):
         """Float32 logits over the whole embedding table (the mask row included)."""
-        return few_rows.matmul(hidden_BTD, self.head(), precision=self.config.precision, preferred_element_type=jnp.float32)
+        return ops.head(hidden_BTD, self.head(), self.config.precision)
 
     def context_logits(self, hidden_BTD, ids_BL, counts_B):
         """Float32 logits of each row at its first `counts[b]` token ids `ids_BL`, `[B, T, L]` (the rest: any value)."""
-        return tables.column_logits(hidden_BTD, self.head(), ids_BL, counts_B, self.config.precision)
+        return ops.column_logits(hidden_BTD, self.head(), ids_BL, counts_B, self.config.precision)
 
     def reduced_logits(self, hidden_BTD):
         """Float32 logits over the draft vocabulary only, `[B, T, draft_vocab_size]`."""
-        return few_rows.matmul(hidden_BTD, self.draft_head, precision=self.config.precision,
-                               preferred_element_type=jnp.float32)
+        return ops.head(hidden_BTD, self.draft_head, self.config.precision)
 
     def full(self, tokens_BT, positions_BT, mask_BTT):
         """All layers over `tokens` with nothing before them (prompt pass, training target, `logits`)."""
-        c = self.config
-        B = tokens_BT.shape[0]
-        empty_k = jnp.zeros((c.num_layers, B, c.num_kv_heads, 0, c.head_dim), COMPUTE_DTYPE)
-        empty_v = jnp.zeros((c.num_layers, B, c.num_kv_heads, c.head_dim, 0), COMPUTE_DTYPE)
-        no_context_BS = jnp.zeros((B, 0), jnp.int32)
-        no_context_BTS = jnp.zeros((*mask_BTT.shape[:2], 0), bool)
-        return self(tokens_BT, positions_BT, (empty_k, empty_v), no_context_BS, no_context_BTS, mask_BTT, c.all_layers)
+        return self(tokens_BT, positions_BT, Context.empty(self.config, mask_BTT), self.config.all_layers)
 
     def init_all(self, tokens_BT):
         """Touches every parameter, for `init`."""
@@ -341,18 +245,7 @@ def default_draft_vocab(config: ModelConfig):
 
 def draft_head_table(head, ids, config: ModelConfig):
     """The reduced draft head: `head`'s columns `ids`, quantized as `head` is, else in the adapters' float type."""
-    table = quant.select_columns(head, ids)
-    return table if quant.is_quantized(table) else table.astype(config.draft_jnp_dtype)
-
-
-def cast_dtype(leaf_dtype, dtype):
-    """A leaf's dtype once cast to `dtype`: floating-point leaves take it; the draft vocabulary's token ids stay integers."""
-    return dtype if jnp.issubdtype(leaf_dtype, jnp.floating) else leaf_dtype
-
-
-def cast_params(params, dtype):
-    """Float leaves cast to `dtype`; a quantized weight (`quant`) keeps its format."""
-    return jax.tree.map(lambda x: x if quant.is_quantized(x) else x.astype(cast_dtype(x.dtype, dtype)), params, is_leaf=quant.is_quantized)
+    return ops.select_columns(head, ids, config.draft_jnp_dtype)
 
 
 def causal_inputs(tokens_BT):
@@ -378,12 +271,9 @@ def abstract_params(config: ModelConfig):
     return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
 
 
-def run_layers(
-    params, config: ModelConfig, tokens_BT, positions_BT, context_kv, context_positions, context_mask, block_mask, layers, draft=False
-):
-    return Transformer(config).apply(
-        {"params": params}, tokens_BT, positions_BT, context_kv, context_positions, context_mask, block_mask, tuple(layers), draft
-    )
+def run_layers(params, config: ModelConfig, tokens_BT, positions_BT, context: Context, layers, draft=False):
+    """`Transformer.__call__`: `layers` over `context`; (final hidden states, the block's keys and values)."""
+    return Transformer(config).apply({"params": params}, tokens_BT, positions_BT, context, tuple(layers), draft)
 
 
 def full_pass(params, config: ModelConfig, tokens_BT, positions_BT=None, mask_BTT=None):

@@ -22,7 +22,8 @@ import numpy as np
 import optax
 
 from s3d_jax.config import ModelConfig
-from s3d_jax.model import NEG_INF, Band, full_pass, head_logits, lm_logits, never_produced, reduced_logits, run_layers
+from s3d_jax.model import full_pass, head_logits, lm_logits, never_produced, reduced_logits, run_layers
+from s3d_jax.ops import NEG_INF, Band, Context
 from s3d_jax.sampling import top_k
 
 MASKINGS = ("span", "iid")
@@ -128,10 +129,8 @@ def draft_pass(params, config: ModelConfig, objective: Objective, batch: Batch, 
         block_mask = (s >= anchor[:, :, None]) & (s <= jnp.arange(T)[None, :, None]) & visible
     layers = config.draft_layers(objective.skip)
     draft_tokens = jnp.where(masked_BT, config.mask_token_id, batch.tokens)
-    hidden, _ = run_layers(
-        params, config, draft_tokens, batch.positions, target_kvs,
-        batch.positions, context_mask, block_mask, layers, draft=True,
-    )
+    context = Context(*target_kvs, batch.positions, context_mask, block_mask)
+    hidden, _ = run_layers(params, config, draft_tokens, batch.positions, context, layers, draft=True)
     return hidden, anchor
 
 

@@ -22,7 +22,7 @@ the tables are 8-bit in an int4 model too, as llama.cpp's Q4 files keep them (do
 (`drafter.DECODE_DTYPE`). A model's formats are its dtype's (`INT8`, `INT4`) unless its config
 names others per weight (`ModelConfig.weight_formats`), as a GGUF's kept blocks need (convert/gguf_file.py).
 
-`few_rows.matmul` reads a quantized weight directly in the CPU kernel (decode passes) and
+`ops.linear` reads a quantized weight directly in the CPU kernel (decode passes) and
 dequantizes it for XLA's dot everywhere else (prefill, training, other backends).
 """
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -193,7 +194,7 @@ def _array_module(w: Mapping):
 def dequantize_nibbles(w: Mapping, n_in: int):
     """A 4-bit weight's float32 value as two arrays `[.., K/2, *out]`: its even entries along K and its
     odd ones, the low and the high nibbles. A product reads them against x's even and odd entries
-    (`few_rows`): XLA's CPU took five times longer to interleave the two into one weight than to
+    (`s3d_jax.kernel`): XLA's CPU took five times longer to interleave the two into one weight than to
     compute them (docs/cpu.md, "Prefill at int4")."""
     half_group, xp = format_of(w, n_in).group // 2, _array_module(w)
     scale, low = (xp.expand_dims(w[k].astype(np.float32), n_in) for k in ("scale", "min"))
@@ -249,6 +250,16 @@ def quantize_params(params, dtype: str, weight_formats: tuple = ()):
         return w if is_quantized(w) and format_of(w, n_in) == fmt else quantize(dense(w, n_in), n_in, fmt)
 
     return _map_quantized(params, to_format)
+
+
+def cast_dtype(leaf_dtype, dtype):
+    """A leaf's dtype once cast to `dtype`: floating-point leaves take it; the draft vocabulary's token ids stay integers."""
+    return dtype if jnp.issubdtype(leaf_dtype, jnp.floating) else leaf_dtype
+
+
+def cast_params(params, dtype):
+    """Float leaves cast to `dtype`; a quantized weight keeps its format."""
+    return jax.tree.map(lambda x: x if is_quantized(x) else x.astype(cast_dtype(x.dtype, dtype)), params, is_leaf=is_quantized)
 
 
 def dequantize_params(params):

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from s3d_jax.model import NEG_INF
+from s3d_jax.ops import NEG_INF
 
 
 @dataclasses.dataclass(frozen=True)

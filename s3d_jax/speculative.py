@@ -43,8 +43,9 @@ class Plan:
     drafted_cost: float = 0.0
 
     @classmethod
-    def make(cls, config: ModelConfig, method: str, gamma: int = 0, skip=None, sampling: Sampling | None = None, tree: int = 0,
+    def make(cls, config: ModelConfig, method: str, *, gamma: int = 0, skip=None, sampling: Sampling | None = None, tree: int = 0,
              lookup: bool = False, min_certainty: float = 0.0, drafted_cost: float = 0.0) -> Plan:
+        """The plan, its draft layers read off the config (`planning.plan_for` resolves a request into one)."""
         draft_layers = config.draft_layers(skip) if skip is not None else ()
         return cls(method, int(gamma), None if skip is None else tuple(skip), draft_layers, sampling or Sampling(), int(tree),
                    bool(lookup), float(min_certainty), float(drafted_cost))

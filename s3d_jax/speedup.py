@@ -229,7 +229,7 @@ TIE = 0.02
 def choose_policy(costs: dict, profile: dict) -> Policy:
     """The tree size, gate and context branch whose replay over the drafter's measured outcomes emits
     the most tokens per unit of plain-step time. `costs`: {"drafted": {N: steps}, "branch": {N: steps}}
-    (`calibration.PassCosts.in_steps`); `profile`: {N: outcomes of a tree of N} (`iteration_outcomes`).
+    (`PassCosts.in_steps`); `profile`: {N: outcomes of a tree of N} (`iteration_outcomes`).
     Plain decoding (1.0) is the baseline, and no policy predicted below it is chosen. A drafting
     policy learns as it decodes (`replay(learns=True)`), so a gate only splits what it learns; on
     equal predictions the lowest gate wins, the one split that learning needs least. The best drafting policy
@@ -258,3 +258,40 @@ def choose_policy(costs: dict, profile: dict) -> Policy:
     drafted = drafting_replay["kinds"]["drafted"]  # a gate the profile never saw open repays nothing
     repays = drafted > 0 and drafting_replay["emitted"]["drafted"] >= drafted * drafting.costs["drafted"] * (1 - TIE)
     return drafting if repays else other
+
+
+@dataclasses.dataclass(frozen=True)
+class PassCosts:
+    """Milliseconds of each pass on this machine, for one model: `step` (one token through the full
+    model), `verify` (γ+1 tokens), `draft` (one S3D pass of γ), `trees[N]` (build and verify a tree of N
+    nodes; an N the calibration did not time is interpolated by rows), the seconds it took, whether the
+    machine was busy with other work meanwhile, and how many calibrations in a row found it so."""
+
+    step: float
+    verify: float
+    draft: float
+    trees: dict
+    gamma: int
+    seconds: float
+    machine: str
+    busy: bool = False
+    tries: int = 1
+
+    def tree(self, nodes: int) -> float:
+        points = sorted({0: self.step, **self.trees}.items())
+        return float(np.interp(nodes, [n for n, _ in points], [ms for _, ms in points]))
+
+    def in_steps(self, sizes, branch_slots: int) -> dict:
+        """The policy's costs in plain steps: a drafted tree of each size, and the branch verified alone
+        through that tree's slots (N + `branch_slots`)."""
+        return {"drafted": {n: (self.draft + self.tree(n)) / self.step for n in sizes},
+                "branch": {n: self.tree(n + branch_slots) / self.step for n in sizes}}
+
+    def policy(self, profile: dict) -> Policy:
+        """The drafting policy these costs and a drafter's acceptance profile choose (`speedup.choose_policy`)."""
+        return choose_policy(self.in_steps(sorted(profile), branch_slots=self.gamma), profile)
+
+    def summary(self) -> str:
+        trees = ", ".join(f"tree {n} {ms / self.step:.2f}" for n, ms in sorted(self.trees.items()))
+        return (f"step {self.step:.1f} ms; in steps: verify of {self.gamma + 1} {self.verify / self.step:.2f}, "
+                f"draft of {self.gamma} {self.draft / self.step:.2f}, {trees}")

@@ -32,9 +32,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from s3d_jax.cache import KVCache, after, block_forward
+from s3d_jax.cache import KVCache, block_forward
 from s3d_jax.config import ModelConfig
 from s3d_jax.model import head_logits
+from s3d_jax.ops import ordered_after
 from s3d_jax.sampling import Sampling, choose, top_k
 
 
@@ -160,11 +161,11 @@ def ancestor_mask(tree: Tree, max_depth: int):
 def verify_block(params, config: ModelConfig, cache: KVCache, tree: Tree, max_depth: int):
     """Full-model logits `[B, N+1, V]` at every node, each seeing the cache and its own ancestors, and
     the nodes' keys and values for slots `n .. n+N`, ordered after every read of the cache
-    (`cache.after`); the cache itself is only read."""
+    (`ops.ordered_after`); the cache itself is only read."""
     positions = cache.lengths[:, None] + tree.depths
     hidden, block_kvs = block_forward(params, config, cache, tree.tokens, config.all_layers,
                                       positions_BT=positions, block_mask_BTT=ancestor_mask(tree, max_depth))
-    return head_logits(params, config, hidden), after(hidden, block_kvs)
+    return head_logits(params, config, hidden), ordered_after(hidden, block_kvs)
 
 
 def verify(params, config: ModelConfig, cache: KVCache, tree: Tree, max_depth: int):

@@ -82,7 +82,7 @@ def release_compiled_code():
     the CPU the executables that JAX keeps hold their code in memory mappings, which pile up to Linux's
     limit per process (65,530) and crash XLA's compiler there (docs/cpu.md, "Memory mappings")."""
     yield
-    decoding._executables.clear()
+    decoding.forget_compiled()
     jax.clear_caches()
 
 

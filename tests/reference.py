@@ -5,8 +5,25 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+import s3d_jax
 from s3d_jax import Model, ModelConfig, bundled, checkpoint
 from s3d_jax.model import init_params
+
+# The options that change how a decode drafts, never what it emits: its plain twin drops them.
+SPECULATIVE_OPTIONS = ("method", "gamma", "skip", "tree", "lookup", "min_certainty")
+
+
+def assert_exact(model, prompt, plain_model=None, plain=None, **options):
+    """The invariant every exactness test states: decoding `prompt` with `options` (speculatively, trees,
+    gates and all) emits exactly the tokens of plain decoding with the same sampling options, of the
+    same verifier (`plain_model`, where `model` is it with a drafter applied). `plain`: that plain
+    output, decoded once for several checks (a real model's). Returns (output, plain output)."""
+    out = s3d_jax.decode(model, prompt, **options)
+    if plain is None:
+        plain_options = {k: v for k, v in options.items() if k not in SPECULATIVE_OPTIONS}
+        plain = s3d_jax.decode(model if plain_model is None else plain_model, prompt, method="ar", **plain_options)
+    assert out.tokens == plain.tokens, f"{options}: speculative {out.tokens} != plain {plain.tokens}"
+    return out, plain
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -109,6 +109,20 @@ DECODE_CASES = [
     ({"role": "user", "content": "hi"}, {}, TypeError, r"unsupported prompt type dict"),
     (b"hi", {}, TypeError, r"unsupported prompt type bytes"),
     ([1, 2], dict(max_new_tokens=600), ValueError, r"does not fit the cache of 512 positions"),
+    ([1, 2], dict(max_new_tokens=100, max_len=64), ValueError, r"does not fit the cache of 64 positions"),
+    ([], {}, ValueError, r"empty prompt"),
+    ([1, 500], {}, ValueError, r"token id 500 is outside the vocabulary"),
+    ([1, -1], {}, ValueError, r"token id -1 is outside the vocabulary"),
+    ([1, 2], dict(skip=(0, 5)), ValueError, r"leaves no draft layer"),
+    ([1, 2], dict(method="medusa"), ValueError, r"unknown method 'medusa'"),
+    ([1, 2], dict(temperature=1.0, top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
+    ("hello", {}, ValueError, r"no tokenizer"),
+    # A token tree's context branch and its gate.
+    ([1, 2, 3], dict(gamma=4, lookup=True, tree=0), ValueError, r"give tree=N"),
+    ([1, 2, 3], dict(gamma=4, lookup=True, method="ar"), ValueError, r"needs method 's3d'"),
+    ([1, 2, 3], dict(gamma=4, lookup="yes", tree=4), TypeError, r"lookup must be True or False"),
+    ([1, 2, 3], dict(gamma=4, max_new_tokens=4, tree=58, max_len=64), ValueError, r"tree 58 \+ lookup 4"),
+    ([1, 2, 3], dict(gamma=4, min_certainty=0.5), ValueError, r"min_certainty chooses between .* give tree=N"),
 ]
 
 

@@ -12,11 +12,10 @@ import pytest
 
 import s3d_jax
 from s3d_jax import calibration
-from s3d_jax.calibration import PassCosts
 from s3d_jax.checkpoint import Model
 from s3d_jax.shapes import SHAPES, describe, random_model, shape_config
-from s3d_jax.speedup import NEVER
-from tests.reference import tiny_model
+from s3d_jax.speedup import NEVER, PassCosts
+from tests.reference import assert_exact, tiny_model
 
 PROMPT = [5, 17, 3, 17, 5, 17, 3, 9]
 
@@ -42,7 +41,7 @@ def model():
 
 
 def test_calibration_measures_once_per_machine_and_model(model, monkeypatch, capsys):
-    monkeypatch.setattr(calibration, "_busy_ticks", lambda cores: 0)  # the other test process is not a busy machine here
+    monkeypatch.setattr(calibration, "busy_ticks", lambda cores: 0)  # the other test process is not a busy machine here
     path = calibration.cache_file(model)
     path.unlink(missing_ok=True)  # another test of this run may have calibrated the same model
     first = calibration.calibrate(model, force=False)
@@ -69,12 +68,12 @@ def test_calibration_measures_once_per_machine_and_model(model, monkeypatch, cap
 
 def test_calibration_can_be_switched_off(model, monkeypatch):
     monkeypatch.setenv(calibration.ENV_SWITCH, "0")
-    assert calibration.cached_or_measured(model) is None
+    assert calibration.costs_for(model) == (None, "S3D_JAX_CALIBRATE=0")
     out = s3d_jax.decode(model, PROMPT, max_new_tokens=6)
-    assert out.stats.policy == "" and out.stats.tree == 2  # the drafter's fixed defaults
+    assert out.stats.policy == "the drafter's fixed defaults (S3D_JAX_CALIBRATE=0)" and out.stats.tree == 2
     monkeypatch.setenv(calibration.ENV_SWITCH, "maybe")
     with pytest.raises(ValueError, match="S3D_JAX_CALIBRATE"):
-        calibration.cached_or_measured(model)
+        calibration.costs_for(model)
 
 
 def test_calibration_needs_a_drafter():
@@ -85,28 +84,25 @@ def test_calibration_needs_a_drafter():
 
 
 @pytest.mark.parametrize(("injected", "drafts"), [(costs(tree=10.0, draft=0.1), True), (costs(tree=200.0, draft=50.0), False)])
-def test_decode_takes_its_policy_from_the_costs(model, monkeypatch, injected, drafts):
-    monkeypatch.setattr(calibration, "cached_or_measured", lambda m: injected)
-    plain = s3d_jax.decode(model, PROMPT, method="ar", max_new_tokens=12)
-    out = s3d_jax.decode(model, PROMPT, max_new_tokens=12)
-    assert out.tokens == plain.tokens  # every policy is exact
-    assert "calibrated policy" in out.stats.policy and "calibrated policy" in out.stats.summary()
+def test_decode_takes_its_policy_from_the_model_s_costs(model, injected, drafts):
+    model = model.replace(costs=injected)
+    out, plain = assert_exact(model, PROMPT, max_new_tokens=12)  # every policy is exact
+    assert "calibrated policy" in out.stats.policy and "the model's given costs" in out.stats.summary()
     if drafts:  # verifying costs what a step does: draft at every iteration, with the largest profiled tree
         assert out.stats.method == "s3d" and out.stats.tree == 8 and out.stats.min_certainty == 0.0
         assert sum(out.stats.iterations) > 0 and sum(out.stats.plain_steps) == 0
     else:  # no accepted count repays a drafted iteration: plain decoding
         assert out.stats.method == "ar" and "plain steps" in out.stats.policy
     # An explicit argument wins over the policy.
-    explicit = s3d_jax.decode(model, PROMPT, max_new_tokens=12, tree=2, min_certainty=0.0)
-    assert explicit.stats.policy == "" and explicit.stats.tree == 2 and explicit.tokens == plain.tokens
+    explicit, _ = assert_exact(model, PROMPT, plain=plain, max_new_tokens=12, tree=2, min_certainty=0.0)
+    assert explicit.stats.policy == "" and explicit.stats.tree == 2
 
 
-def test_never_drafting_policy_keeps_the_branch_and_takes_plain_steps(model, monkeypatch):
+def test_never_drafting_policy_keeps_the_branch_and_takes_plain_steps(model):
     profile = {n: [dict(r, branch=(np.arange(40) % 3 == 0).astype(int), branch_k=np.full(40, 3)) for r in rs]
                for n, rs in model.profile.items()}
-    never = drafted(model, profile)
     injected = dataclasses.replace(costs(tree=10.0, draft=200.0), trees={4: 12.0, 8: 14.0, 16: 16.0, 24: 18.0})
-    monkeypatch.setattr(calibration, "cached_or_measured", lambda m: injected)
+    never = drafted(model, profile).replace(costs=injected)
     out = s3d_jax.decode(never, PROMPT, max_new_tokens=12)
     assert out.stats.min_certainty == NEVER and out.stats.lookup
     assert out.tokens == s3d_jax.decode(never, PROMPT, method="ar", max_new_tokens=12).tokens
@@ -191,27 +187,27 @@ def test_costs_measured_on_a_busy_machine_are_measured_again_by_the_next_process
         other["ticks"] += 150 * 100
         return other["ticks"]
 
-    monkeypatch.setattr(calibration, "_busy_ticks", ticks)
+    monkeypatch.setattr(calibration, "busy_ticks", ticks)
     path = calibration.cache_file(model)
     first = calibration.calibrate(model)
     assert first.busy and first.tries == 1 and path.is_file()
     assert "the machine looks busy (other processes kept" in capsys.readouterr().err
     assert calibration.calibrate(model, force=False) == first  # the process that measured them keeps them
     for tries in (2, 3):  # each new process measures again, while the machine stays busy
-        calibration._measured_here.clear()
+        calibration.measured_here.clear()
         assert calibration.calibrate(model, force=False).tries == tries
     assert "stay until" in capsys.readouterr().err
-    calibration._measured_here.clear()
+    calibration.measured_here.clear()
     assert calibration.calibrate(model, force=False).tries == 3  # then they stay
-    monkeypatch.setattr(calibration, "_busy_ticks", lambda cores: 0)  # a quiet calibration replaces them
+    monkeypatch.setattr(calibration, "busy_ticks", lambda cores: 0)  # a quiet calibration replaces them
     capsys.readouterr()
     quiet = calibration.calibrate(model)
     assert not quiet.busy and quiet.tries == 1 and "busy" not in capsys.readouterr().err
     assert calibration.calibrate(model, force=False) == quiet
     monkeypatch.setenv(calibration.ENV_TRIES, "1")  # a machine always shared: keep the first, busy or not
-    monkeypatch.setattr(calibration, "_busy_ticks", ticks)
+    monkeypatch.setattr(calibration, "busy_ticks", ticks)
     assert calibration.calibrate(model).busy and "stay until" in capsys.readouterr().err
-    calibration._measured_here.clear()
+    calibration.measured_here.clear()
     assert calibration.calibrate(model, force=False).tries == 1
     monkeypatch.setenv(calibration.ENV_TRIES, "0")
     with pytest.raises(ValueError, match="S3D_JAX_CALIBRATE_TRIES"):
@@ -219,7 +215,7 @@ def test_costs_measured_on_a_busy_machine_are_measured_again_by_the_next_process
 
 
 def test_without_the_kernel_s_counts_a_busy_machine_shows_in_the_step_s_rounds(model, monkeypatch, capsys):
-    monkeypatch.setattr(calibration, "_busy_ticks", lambda cores: None)
+    monkeypatch.setattr(calibration, "busy_ticks", lambda cores: None)
     monkeypatch.setattr(calibration, "time_passes", rounds(step=(10.0, 20.0, 10.0, 10.0)))
     assert calibration.calibrate(model).step == 10.0
     assert "a plain step took 10.0 to 20.0 ms" in capsys.readouterr().err
@@ -237,7 +233,7 @@ def test_on_an_accelerator_only_the_step_s_rounds_say_busy(model, monkeypatch, c
         other["ticks"] += 150 * 100
         return other["ticks"]
 
-    monkeypatch.setattr(calibration, "_busy_ticks", ticks)
+    monkeypatch.setattr(calibration, "busy_ticks", ticks)
     monkeypatch.setattr(calibration, "time_passes", rounds(step=(10.0, 11.0, 10.0, 10.0)))
     assert not calibration.calibrate(model).busy and "busy" not in capsys.readouterr().err
     monkeypatch.setattr(calibration, "time_passes", rounds(step=(10.0, 20.0, 10.0, 10.0)))

@@ -28,7 +28,7 @@ print(len(re.findall("<heap nr=", open(path).read())))
 """
 
 
-@pytest.mark.skipif(cpu._glibc() is None, reason="glibc's heap arenas")
+@pytest.mark.skipif(cpu.glibc() is None, reason="glibc's heap arenas")
 def test_importing_s3d_jax_limits_the_heap_arenas():
     """Imported before JAX starts its threads, s3d_jax has glibc share `cpu.HEAP_ARENAS` heaps among
     them; without it the same threads make one each (the peak memory of a quantized model, docs/cpu.md)."""

@@ -1,6 +1,5 @@
 """The cache, the decode loop and speculative decoding on random models (CPU, float32)."""
 
-import collections
 import dataclasses
 import os
 
@@ -8,13 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import numpy_logits, tiny_model
+from reference import assert_exact, numpy_logits, tiny_model
 
 import s3d_jax
-from s3d_jax import api, cpu, decoding, few_rows
+from s3d_jax import api, cpu, decoding
 from s3d_jax.cache import KVCache, cached_forward
-from s3d_jax.model import cast_params, lm_logits
+from s3d_jax.kernel import dispatch, ffi
+from s3d_jax.model import lm_logits
 from s3d_jax.options import PROMPT_STEP_MIN, PROMPT_STEPS, bucket, prompt_bucket
+from s3d_jax.quant import cast_params
+from s3d_jax.sampling import Sampling
 from s3d_jax.speculative import Plan, draft_s3d
 
 
@@ -87,9 +89,7 @@ EXACTNESS_CASES = [
 def test_greedy_speculative_equals_plain_greedy(overrides, method, gamma, skip, lengths, max_new):
     model = tiny_model(seed=len(lengths) + gamma, **overrides)
     prompts = random_prompts(lengths, seed=gamma)
-    plain = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=max_new, eos_token_ids=())
-    spec = s3d_jax.decode(model, prompts, method=method, gamma=gamma, skip=skip, max_new_tokens=max_new, eos_token_ids=())
-    assert spec.tokens == plain.tokens
+    spec, plain = assert_exact(model, prompts, method=method, gamma=gamma, skip=skip, max_new_tokens=max_new, eos_token_ids=())
     assert all(len(t) == max_new for t in spec.tokens)
     assert sum(spec.stats.iterations) <= sum(plain.stats.iterations)
 
@@ -100,7 +100,7 @@ def test_16_bit_weights_compute_as_float32_does(dtype):
     weights: float32 activations and cache, and the kernel widens the weights exactly, so the hidden
     states are the same bits. (Rounded to 16 bits, a verify pass's last-bit differences from a step
     would become visible.)"""
-    if not few_rows.applies(8, jnp.float32, jnp.dtype(dtype)):
+    if not dispatch.applies(8, jnp.float32, jnp.dtype(dtype)):
         pytest.skip("the few-row kernel is off: XLA's dot takes the weights' 16-bit inputs")
     model = tiny_model(seed=2)
     narrow = s3d_jax.Model(cast_params(model.params, jnp.dtype(dtype)), model.config.replace(dtype=dtype))
@@ -123,9 +123,7 @@ def test_eos_positions_stop_each_row_like_plain_greedy(model, method):
     free = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=30, eos_token_ids=())
     # Stop tokens picked so the rows stop at different depths (one row possibly never).
     eos = (free.tokens[0][7], free.tokens[1][2])
-    plain = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=30, eos_token_ids=eos)
-    spec = s3d_jax.decode(model, prompts, method=method, gamma=4, skip=(2, 3), max_new_tokens=30, eos_token_ids=eos)
-    assert spec.tokens == plain.tokens
+    _, plain = assert_exact(model, prompts, method=method, gamma=4, skip=(2, 3), max_new_tokens=30, eos_token_ids=eos)
     assert plain.tokens[0][-1] in eos and len(plain.tokens[0]) <= 8
     assert plain.tokens[1][-1] in eos and len(plain.tokens[1]) <= 3
 
@@ -155,7 +153,7 @@ def test_draft_pass_equals_plain_recompute(model, gamma, skip):
     cache = KVCache.zeros(config, 1, 32)
     _, cache = cached_forward(model.params, config, cache, jnp.asarray([prefix]), config.all_layers, True)
     cache = cache.replace(lengths=jnp.asarray([len(prefix)]))
-    plan = Plan.make(config, "s3d", gamma, skip)
+    plan = Plan.make(config, "s3d", gamma=gamma, skip=skip)
     _, draft_logits, after = draft_s3d(model.params, config, plan, cache, jnp.asarray([x_n]), jax.random.key(0))
     block = [x_n] + [config.mask_token_id] * (gamma - 1)
     reference = numpy_logits(model, prefix + block, layers=config.draft_layers(skip), frozen_prefix=len(prefix))
@@ -229,7 +227,7 @@ def test_speculative_sampling_is_lossless(method, sampling):
     prompt = [1, 3, 2]
     n = 6000
     out = s3d_jax.decode(model, [prompt] * n, method=method, gamma=2, skip=(2, 3), max_new_tokens=3, eos_token_ids=(), seed=11, **sampling)
-    target = _target_joint(model, prompt, s3d_jax.api.Sampling(**{k: v for k, v in sampling.items() if k not in ("tree", "lookup")}))
+    target = _target_joint(model, prompt, Sampling(**{k: v for k, v in sampling.items() if k not in ("tree", "lookup")}))
     counts = {}
     for row in out.tokens:
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1
@@ -295,7 +293,7 @@ def test_evicted_executables_release_their_code(model, monkeypatch):
     executable maps its code, JAX holds a reference to every executable it compiled, and Linux stops a
     process at 65,530 mappings (XLA's compiler crashes there)."""
     monkeypatch.setattr(decoding, "MAX_EXECUTABLES", 2)  # one decode's prefill and loop
-    monkeypatch.setattr(decoding, "_executables", collections.OrderedDict())  # the first decode evicts nothing
+    decoding.forget_compiled()  # the first decode evicts nothing
     before = _memory_mappings()
     for gamma in (2, 3, 4, 5, 6):  # a new loop each: the previous ones are evicted
         s3d_jax.decode(model, [4, 5, 6], method="s3d", gamma=gamma, skip=(2, 3), max_new_tokens=4)
@@ -314,31 +312,7 @@ def test_stream_yields_prefixes_of_the_result(model):
         assert final.tokens[: len(partial[0])] == partial[0]
 
 
-# ------------------------------------------------------------------ bad input
-
-
-@pytest.mark.parametrize(
-    "prompt,options,message",
-    [
-        ([], {}, "empty prompt"),
-        ([[1, 2], []], {}, "empty prompt"),
-        ([1, 500], {}, "outside the vocabulary"),
-        ([1, -1], {}, "outside the vocabulary"),
-        ([1, 2], dict(max_new_tokens=600), "does not fit"),
-        ([1, 2], dict(max_new_tokens=100, max_len=64), "does not fit"),
-        ([1, 2], dict(gamma=0), "gamma must be >= 1"),
-        ([1, 2], dict(skip=(3, 9)), "outside the model"),
-        ([1, 2], dict(skip=(0, 5)), "leaves no draft layer"),
-        ([1, 2], dict(method="medusa"), "unknown method"),
-        ([1, 2], dict(max_new_tokens=0), "max_new_tokens"),
-        ([1, 2], dict(temperature=-1.0), "temperature"),
-        ([1, 2], dict(temperature=1.0, top_p=0.0), "top_p"),
-        ("hello", {}, "no tokenizer"),
-    ],
-)
-def test_bad_input_gets_a_clear_error(model, prompt, options, message):
-    with pytest.raises(ValueError, match=message):
-        s3d_jax.decode(model, prompt, **options)
+# ------------------------------------------------------------------ bad input (the table: tests/test_bad_input.py)
 
 
 def test_s3d_needs_a_mask_row():
@@ -355,54 +329,54 @@ def test_decode_loop_keeps_few_row_dots_off_ynnpack(model):
         pytest.skip("not a CPU, or this jaxlib has no YNNPACK fusions")
     _, run, _ = s3d_jax.api.prepare(model, random_prompts([5])[0], method="s3d", gamma=3, skip=(2, 3), max_new_tokens=8)
     run.compile()
-    prefill, loop = run._executables
+    prefill, loop = run.executables
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prefill.out_info)
     stop = jax.ShapeDtypeStruct((), jnp.int32)
-    default = decoding._advance_jit.lower(run.params, state, stop, config=run.config, plan=run.plan).compile()
+    default = decoding.advance_jit.lower(run.params, state, stop, config=run.config, plan=run.plan).compile()
     assert "ynn_fusion" in default.as_text()  # what the option changes: the default does use YNNPACK
     assert "ynn_fusion" not in loop.as_text()
     # A batch whose passes hold more rows than the kernel takes keeps the default: there YNNPACK is faster.
     _, batched, _ = s3d_jax.api.prepare(model, random_prompts([5] * 8), method="s3d", gamma=3, skip=(2, 3), max_new_tokens=8)
     assert not batched.few_row_passes and run.few_row_passes
     batched.compile()
-    assert "ynn_fusion" in batched._executables[1].as_text()
+    assert "ynn_fusion" in batched.executables[1].as_text()
 
 
 def test_decode_loop_runs_its_projections_in_the_few_row_kernel(model):
     """The loop's passes (1 to γ+1 rows) use `few_rows.cc`, and so does the prompt pass's one-row head;
-    a product of more than `few_rows.MAX_ROWS` rows keeps XLA's dot."""
-    if not few_rows.available():
+    a product of more than `dispatch.MAX_ROWS` rows keeps XLA's dot."""
+    if not ffi.available():
         pytest.skip("no few-row kernel here (not built, or switched off)")
     _, run, _ = api.prepare(model, random_prompts([20])[0], method="s3d", gamma=3, skip=(2, 3), max_new_tokens=8)
     run.compile()
-    prefill, loop = run._executables
-    assert few_rows.TARGET in loop.as_text()
-    assert few_rows.TARGET in prefill.as_text()  # the first token's logits: one row
+    prefill, loop = run.executables
+    assert ffi.TARGET in loop.as_text()
+    assert ffi.TARGET in prefill.as_text()  # the first token's logits: one row
     off = jax.jit(lambda p, t: lm_logits(p, model.config, t)).lower(run.params, jnp.zeros((1, 32, model.config.hidden_size)))
-    assert few_rows.TARGET not in off.as_text()  # 32 rows: XLA's dot
+    assert ffi.TARGET not in off.as_text()  # 32 rows: XLA's dot
 
 
 def test_the_kernel_switch_is_part_of_the_compile_cache_key(model, monkeypatch):
     """Flipping `S3D_JAX_FEW_ROW_KERNEL` in a running process compiles the loop again, without or with
     the kernel, instead of reusing what was compiled under the other setting; the output is the same."""
-    if not few_rows.available():
+    if not ffi.available():
         pytest.skip("no few-row kernel here (not built, or switched off)")
     prompt, options = random_prompts([7], seed=4)[0], dict(method="s3d", gamma=3, skip=(2, 3), max_new_tokens=12)
 
     def loop_text_and_tokens():
         _, run, _ = api.prepare(model, prompt, **options)
         run.compile()
-        return run._executables[1].as_text(), s3d_jax.decode(model, prompt, **options).tokens
+        return run.executables[1].as_text(), s3d_jax.decode(model, prompt, **options).tokens
 
     with_kernel, tokens = loop_text_and_tokens()
     for off in ("0", "false", "No", "off"):
-        monkeypatch.setenv(few_rows.ENV_SWITCH, off)
+        monkeypatch.setenv(ffi.ENV_SWITCH, off)
         without_kernel, tokens_off = loop_text_and_tokens()
-        assert few_rows.TARGET in with_kernel and few_rows.TARGET not in without_kernel, off
+        assert ffi.TARGET in with_kernel and ffi.TARGET not in without_kernel, off
         assert tokens_off == tokens
-    monkeypatch.setenv(few_rows.ENV_SWITCH, "1")
-    assert few_rows.TARGET in loop_text_and_tokens()[0]
-    monkeypatch.setenv(few_rows.ENV_SWITCH, "maybe")
+    monkeypatch.setenv(ffi.ENV_SWITCH, "1")
+    assert ffi.TARGET in loop_text_and_tokens()[0]
+    monkeypatch.setenv(ffi.ENV_SWITCH, "maybe")
     with pytest.raises(ValueError, match="S3D_JAX_FEW_ROW_KERNEL='maybe': expected one of"):
         s3d_jax.decode(model, prompt, **options)
 
@@ -425,12 +399,12 @@ def test_the_summary_reports_only_what_was_measured():
                                                              ("s3d", 4, True, 0.0), ("s3d", 4, True, 0.5)])
 def test_decode_loop_updates_the_cache_in_place(model, method, tree, lookup, min_certainty):
     """No pass copies a layer's cache: each write is ordered after the attention that reads the old
-    cache (`cache.after`), and the tree's three iteration kinds only read it (`decoding.tree_iteration`),
+    cache (`ops.ordered_after`), and the tree's three iteration kinds only read it (`decoding.tree_iteration`),
     so XLA updates it in place."""
     _, run, _ = s3d_jax.api.prepare(model, random_prompts([5])[0], method=method, gamma=3, skip=(2, 3), tree=tree,
                                     lookup=lookup, min_certainty=min_certainty, max_new_tokens=8, max_len=256)
     run.compile()
-    _, loop = run._executables
+    _, loop = run.executables
     config = model.config
     keys = f"f32[1,{config.num_kv_heads},256,{config.head_dim}]"
     values = f"f32[1,{config.num_kv_heads},{config.head_dim},256]"

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
-from reference import tiny_model
+from reference import assert_exact, tiny_model
 from safetensors import safe_open
 
 import s3d_jax
@@ -83,9 +83,7 @@ def test_verifier_is_bit_identical_and_decoding_exact(tmp_path):
         got, want = np.asarray(s3d_jax.logits(model, ids)), np.asarray(s3d_jax.logits(base, ids))
         assert np.array_equal(np.delete(got, mask_id, -1), np.delete(want, mask_id, -1))
         for prompt, eos in (([5, 9, 2, 7], ()), ([[1, 2, 3], [4, 5, 6]], (3,))):
-            plain = s3d_jax.decode(base, prompt, method="ar", max_new_tokens=14, eos_token_ids=eos)
-            spec = s3d_jax.decode(model, prompt, max_new_tokens=14, eos_token_ids=eos)
-            assert spec.tokens == plain.tokens, f"draft vocabulary {size}"
+            assert_exact(model, prompt, plain_model=base, max_new_tokens=14, eos_token_ids=eos)
 
 
 def test_reduced_head_only_proposes_its_tokens_and_never_the_mask(tmp_path):
@@ -96,7 +94,7 @@ def test_reduced_head_only_proposes_its_tokens_and_never_the_mask(tmp_path):
     cache = KVCache.zeros(config, 1, 32)
     _, cache = cached_forward(model.params, config, cache, jnp.asarray([[3, 4, 5]]), config.all_layers, True)
     cache = cache.replace(lengths=jnp.asarray([3]))
-    plan = Plan.make(config, "s3d", 6, SKIP)
+    plan = Plan.make(config, "s3d", gamma=6, skip=SKIP)
     drafts, logits, _ = draft_s3d(model.params, config, plan, cache, jnp.asarray([6]), jax.random.key(0))
     allowed = set(np.asarray(model.params["draft_vocab"]).tolist())
     assert set(np.asarray(drafts).ravel().tolist()) <= allowed and config.mask_token_id not in allowed
@@ -148,8 +146,7 @@ def test_a_drafter_without_a_ranking_falls_back_to_the_full_head(tmp_path):
     base, _, path = _file(tmp_path, ranking=False)
     model = drafter.apply(base, path)
     assert model.config.draft_vocab_size == 0 and "draft_vocab" not in model.params
-    plain = s3d_jax.decode(base, [1, 2, 3], method="ar", max_new_tokens=8, eos_token_ids=())
-    assert s3d_jax.decode(model, [1, 2, 3], max_new_tokens=8, eos_token_ids=()).tokens == plain.tokens
+    assert_exact(model, [1, 2, 3], plain_model=base, max_new_tokens=8, eos_token_ids=())
     with pytest.raises(DrafterError, match="needs a token ranking"):
         drafter.apply(base, path, draft_vocab_size=8)
 
@@ -296,7 +293,7 @@ def test_loading_in_another_dtype_casts_while_reading(tmp_path, dtype):
     """`load(dtype=...)` casts the stored float32 leaves while reading them: bit for bit what casting
     after loading gives, and the draft vocabulary's ids stay integers."""
     from s3d_jax import checkpoint
-    from s3d_jax.model import cast_params
+    from s3d_jax.quant import cast_params
 
     base = tiny_model()
     ranking = np.array([i for i in range(base.config.produced_vocab_size) if i != base.config.mask_token_id])

@@ -422,9 +422,10 @@ def test_a_damaged_kernel_in_the_cache_is_rebuilt_not_loaded(tmp_path, chat_mode
     """A kernel cut short in the cache (a crash, an interrupted copy) once killed every later run with
     SIGBUS, and another library at its path ended in a traceback; now the command line and the API
     rebuild it and go on."""
-    from s3d_jax import few_rows, paths
+    from s3d_jax import paths
+    from s3d_jax.kernel import ffi
 
-    if not few_rows.available():
+    if not ffi.available():
         pytest.skip("no few-row kernel here (no compiler, or switched off)")
     shutil.copytree(paths.cache_root() / "kernels", tmp_path / "kernels")
     for library in (tmp_path / "kernels").glob("few_rows-*.so"):

@@ -1,4 +1,4 @@
-"""The few-row CPU kernel (`s3d_jax/few_rows.cc`) against numpy, where `few_rows.matmul` uses it, and
+"""The few-row CPU kernel (`s3d_jax/kernel/few_rows.cc`) against numpy, where `dispatch.matmul` uses it, and
 its cache, settings and threads."""
 
 import os
@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s3d_jax import few_rows, quant, tables
+from s3d_jax import quant
+from s3d_jax.kernel import build, dispatch, ffi
 
 needs_kernel = pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX", "c++")) is None or os.environ.get(few_rows.ENV_SWITCH, "1").lower() in ("0", "false", "no", "off"),
+    shutil.which(os.environ.get("CXX", "c++")) is None or os.environ.get(ffi.ENV_SWITCH, "1").lower() in ("0", "false", "no", "off"),
     reason="no C++ compiler, or the kernel switched off: products stay on XLA's dot",
 )
 SHAPES = [(1, 576, 1536), (5, 576, 1536), (16, 1536, 576), (7, 576, 49280), (3, 37, 53), (2, 9, 8), (9, 64, 300)]
@@ -28,16 +29,16 @@ def random(shape, seed):
 @needs_kernel
 def test_the_kernel_is_built_on_this_cpu():
     # With a compiler and the switch on, a fallback to XLA's dot would be a silent regression.
-    assert few_rows.available()
-    assert few_rows.applies(5, jnp.float32, jnp.float32)
+    assert ffi.available()
+    assert dispatch.applies(5, jnp.float32, jnp.float32)
     x, w = random((5, 16), 0), random((16, 32), 1)
-    assert few_rows.TARGET in jax.jit(few_rows.matmul).lower(x, w).as_text()
+    assert ffi.TARGET in jax.jit(dispatch.matmul).lower(x, w).as_text()
 
 
 @pytest.mark.parametrize("rows,k,n", SHAPES)
 def test_kernel_equals_the_float64_product(rows, k, n):
     x, w = random((rows, k), 0), random((k, n), 1)
-    y = np.asarray(jax.jit(few_rows.matmul)(x, w))
+    y = np.asarray(jax.jit(dispatch.matmul)(x, w))
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     assert y.shape == (rows, n) and y.dtype == np.float32
     np.testing.assert_allclose(y, exact, rtol=0, atol=2e-6 * np.abs(exact).max())
@@ -52,8 +53,8 @@ def test_16_bit_weights_are_summed_in_float32_and_rounded_once(rows, k, n, same_
     same values, rounded once to the result's dtype, as XLA's 16-bit dot computes it."""
     x_dtype = w_dtype if same_x else jnp.float32
     x, w = random((rows, k), 0).astype(x_dtype), random((k, n), 1).astype(w_dtype)
-    assert few_rows.TARGET in jax.jit(few_rows.matmul).lower(x, w).as_text()
-    y = jax.jit(few_rows.matmul)(x, w)
+    assert ffi.TARGET in jax.jit(dispatch.matmul).lower(x, w).as_text()
+    y = jax.jit(dispatch.matmul)(x, w)
     assert y.dtype == jnp.result_type(x_dtype, w_dtype)
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     tolerance = 2e-6 * np.abs(exact).max() + (np.abs(exact) * 2.0 ** -(jnp.finfo(y.dtype).nmant + 1) if same_x else 0)
@@ -63,9 +64,9 @@ def test_16_bit_weights_are_summed_in_float32_and_rounded_once(rows, k, n, same_
 def test_xlas_dot_takes_a_16_bit_weights_input_rounded_to_its_type():
     """Past the kernel, a float32 input meets a bfloat16 weight in XLA's fast form: both operands in
     bfloat16, a float32 result (not a float32 copy of the weight)."""
-    rows = few_rows.MAX_NARROW_ROWS + 1
+    rows = dispatch.MAX_NARROW_ROWS + 1
     x, w = random((rows, 64), 6), random((64, 96), 7).astype(jnp.bfloat16)
-    y = jax.jit(few_rows.matmul)(x, w)
+    y = jax.jit(dispatch.matmul)(x, w)
     assert y.dtype == jnp.float32
     np.testing.assert_array_equal(y, jnp.tensordot(x.astype(jnp.bfloat16), w, axes=1, preferred_element_type=jnp.float32))
 
@@ -76,9 +77,9 @@ def test_xlas_dot_takes_a_16_bit_weights_input_rounded_to_its_type():
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, k, n, w_dtype):
     """Bit for bit: a token's logits in a verify pass equal its logits in a one-token step."""
     x, w = random((rows, k), 2).astype(w_dtype), random((k, n), 3).astype(w_dtype)
-    together = np.asarray(jax.jit(few_rows.matmul)(x, w))
+    together = np.asarray(jax.jit(dispatch.matmul)(x, w))
     for t in range(rows):
-        alone = np.asarray(jax.jit(few_rows.matmul)(x[t : t + 1], w))
+        alone = np.asarray(jax.jit(dispatch.matmul)(x[t : t + 1], w))
         assert np.array_equal(together[t], alone[0]), t
 
 
@@ -87,13 +88,13 @@ def test_a_bfloat16_weight_stays_in_the_kernel_past_sixteen_rows():
     """XLA's CPU dot widens a bfloat16 weight to float32 first, and in a loop hoists that out (a float32
     copy of the model held throughout): such products stay in the kernel up to `MAX_NARROW_ROWS` rows,
     each row still bit for bit what it is alone."""
-    rows = few_rows.MAX_ROWS + 1
-    assert few_rows.applies(rows, jnp.float32, jnp.bfloat16) and not few_rows.applies(rows, jnp.float32, jnp.float32)
-    assert not few_rows.applies(few_rows.MAX_NARROW_ROWS + 1, jnp.float32, jnp.bfloat16)
+    rows = dispatch.MAX_ROWS + 1
+    assert dispatch.applies(rows, jnp.float32, jnp.bfloat16) and not dispatch.applies(rows, jnp.float32, jnp.float32)
+    assert not dispatch.applies(dispatch.MAX_NARROW_ROWS + 1, jnp.float32, jnp.bfloat16)
     x, w = random((rows, 64), 4).astype(jnp.bfloat16), random((64, 96), 5).astype(jnp.bfloat16)
-    assert few_rows.TARGET in jax.jit(few_rows.matmul).lower(x, w).as_text()
-    together = np.asarray(jax.jit(few_rows.matmul)(x, w), np.float32)
-    alone = np.asarray(jax.jit(few_rows.matmul)(x[-1:], w), np.float32)
+    assert ffi.TARGET in jax.jit(dispatch.matmul).lower(x, w).as_text()
+    together = np.asarray(jax.jit(dispatch.matmul)(x, w), np.float32)
+    alone = np.asarray(jax.jit(dispatch.matmul)(x[-1:], w), np.float32)
     assert np.array_equal(together[-1], alone[0])
 
 
@@ -109,13 +110,13 @@ def test_products_beside_the_first_in_one_call_equal_each_alone(base, rows):
     w = quant.quantize(w, 2, quant.Format.parse(base)) if base.startswith("int") else w.astype(base)
     a, a16 = random((2, K, R), 12), random((5, K, 8), 13).astype(jnp.bfloat16)
     x, at = random((rows, K), 14), (jnp.int32(2), jnp.int32(1), jnp.int32(4))
-    together = jax.jit(lambda x, at: few_rows.matmuls(x, (w, a, a16), at=at))
+    together = jax.jit(lambda x, at: dispatch.matmuls(x, (w, a, a16), at=at))
     assert together.lower(x, at).as_text().count("custom_call") == 1
     for got, weight, entry in zip(together(x, at), (w, a, a16), at):
-        assert np.array_equal(got, few_rows.matmul(x, weight, at=entry))
-    with few_rows.switch(False):
-        for got, weight, entry in zip(jax.jit(lambda x, at: few_rows.matmuls(x, (w, a, a16), at=at))(x, at), (w, a, a16), at):
-            alone = few_rows.matmul(x, few_rows.entry(weight, entry))
+        assert np.array_equal(got, dispatch.matmul(x, weight, at=entry))
+    with ffi.switch(False):
+        for got, weight, entry in zip(jax.jit(lambda x, at: dispatch.matmuls(x, (w, a, a16), at=at))(x, at), (w, a, a16), at):
+            alone = dispatch.matmul(x, dispatch.entry(weight, entry))
             assert np.array_equal(got, alone)
 
 
@@ -123,7 +124,7 @@ def test_trailing_input_axes_and_leading_batch_axes():
     """Like `jnp.tensordot`: a `[B, T, H, E]` input against an `[H, E, D]` weight (the attention output)."""
     x, w = random((2, 3, 4, 8), 4), random((4, 8, 48), 5)
     expected = jnp.tensordot(x, w, axes=((2, 3), (0, 1)))
-    np.testing.assert_allclose(few_rows.matmul(x, w, n_in=2), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dispatch.matmul(x, w, n_in=2), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_gradients_equal_xlas():
@@ -132,7 +133,7 @@ def test_gradients_equal_xlas():
     def loss(matmul):
         return lambda x, w: jnp.sum(jnp.sin(matmul(x, w)))
 
-    got = jax.grad(loss(few_rows.matmul), argnums=(0, 1))(x, w)
+    got = jax.grad(loss(dispatch.matmul), argnums=(0, 1))(x, w)
     expected = jax.grad(loss(jnp.matmul), argnums=(0, 1))(x, w)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
@@ -140,43 +141,43 @@ def test_gradients_equal_xlas():
 
 @pytest.mark.parametrize(
     "rows,x_dtype,w_dtype",
-    [(few_rows.MAX_ROWS + 1, jnp.float32, jnp.float32), (0, jnp.float32, jnp.float32),
-     (few_rows.MAX_NARROW_ROWS + 1, jnp.float16, jnp.float16)],
+    [(dispatch.MAX_ROWS + 1, jnp.float32, jnp.float32), (0, jnp.float32, jnp.float32),
+     (dispatch.MAX_NARROW_ROWS + 1, jnp.float16, jnp.float16)],
 )
 def test_other_products_stay_on_xlas_dot(rows, x_dtype, w_dtype):
-    assert not few_rows.applies(rows, x_dtype, w_dtype)
+    assert not dispatch.applies(rows, x_dtype, w_dtype)
     x, w = random((rows, 16), 8).astype(x_dtype), random((16, 32), 9).astype(w_dtype)
-    assert "custom_call" not in jax.jit(few_rows.matmul).lower(x, w).as_text()
-    np.testing.assert_array_equal(few_rows.matmul(x, w), jnp.tensordot(x, w, axes=1))
+    assert "custom_call" not in jax.jit(dispatch.matmul).lower(x, w).as_text()
+    np.testing.assert_array_equal(dispatch.matmul(x, w), jnp.tensordot(x, w, axes=1))
 
 
 @needs_kernel
 def test_the_switch_turns_it_off(monkeypatch):
-    monkeypatch.setenv(few_rows.ENV_SWITCH, "0")
-    assert not few_rows.applies(1, jnp.float32, jnp.float32)
+    monkeypatch.setenv(ffi.ENV_SWITCH, "0")
+    assert not dispatch.applies(1, jnp.float32, jnp.float32)
     x, w = random((1, 16), 8), random((16, 32), 9)
-    assert "custom_call" not in jax.jit(few_rows.matmul).lower(x, w).as_text()
+    assert "custom_call" not in jax.jit(dispatch.matmul).lower(x, w).as_text()
     monkeypatch.undo()
-    assert few_rows.applies(1, jnp.float32, jnp.float32)
+    assert dispatch.applies(1, jnp.float32, jnp.float32)
 
 
 @needs_kernel
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("S3D_JAX_CACHE", str(tmp_path))  # nothing built there yet
-    few_rows._registered.cache_clear()
+    ffi.registered.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="few-row CPU kernel unavailable"):
-            assert not few_rows.available()
+            assert not ffi.available()
     finally:
         monkeypatch.undo()
-        few_rows._registered.cache_clear()
-    assert few_rows.available()  # the same library again: registering it twice is harmless
+        ffi.registered.cache_clear()
+    assert ffi.available()  # the same library again: registering it twice is harmless
 
 
 def kernel_process(cache, code="", **env):
     """A fresh Python process that loads the kernel from `cache` (and runs `code`): (exit code, stderr, stdout)."""
-    script = f"from s3d_jax import few_rows\nprint(few_rows.available())\n{code}"
+    script = f"from s3d_jax.kernel import dispatch, ffi\nprint(ffi.available())\n{code}"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "S3D_JAX_CACHE": str(cache), **env})
     return result.returncode, result.stderr, result.stdout
@@ -231,7 +232,7 @@ def test_the_thread_setting_sets_the_helper_threads(built_cache):
     """`S3D_JAX_FEW_ROW_THREADS=N` starts N - 1 helper threads at the first product."""
     count = "import os, jax, jax.numpy as jnp\njax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready()\n" \
             "before = len(os.listdir('/proc/self/task'))\n" \
-            "jax.jit(few_rows.matmul)(jnp.ones((2, 64)), jnp.ones((64, 4096))).block_until_ready()\n" \
+            "jax.jit(dispatch.matmul)(jnp.ones((2, 64)), jnp.ones((64, 4096))).block_until_ready()\n" \
             "print(len(os.listdir('/proc/self/task')) - before)"
     if not Path("/proc/self/task").exists():
         pytest.skip("no /proc: threads cannot be counted")
@@ -243,11 +244,11 @@ def test_the_thread_setting_sets_the_helper_threads(built_cache):
     assert started["4"] - started["1"] == 3
 
 
-@pytest.mark.parametrize("name,value", [(few_rows.ENV_THREADS, "0"), (few_rows.ENV_THREADS, "many"), (few_rows.ENV_SPIN, "-5")])
+@pytest.mark.parametrize("name,value", [(build.ENV_THREADS, "0"), (build.ENV_THREADS, "many"), (build.ENV_SPIN, "-5")])
 def test_a_bad_setting_is_named(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=f"{name}='{value}': expected a whole number"):
-        few_rows.threads() if name == few_rows.ENV_THREADS else few_rows.spin_microseconds()
+        build.threads() if name == build.ENV_THREADS else build.spin_microseconds()
 
 
 # A decode pass's attention: (B, K KV heads, G query heads each, T block tokens, S slots, E), each row's
@@ -292,7 +293,7 @@ def test_attention_over_the_cache_reads_only_each_rows_live_slots(shape, lengths
         return jnp.asarray(np.stack([np.full_like(layer, np.nan), layer, np.full_like(layer, np.nan)]))
 
     q_BTKGE = jnp.asarray(q).transpose(0, 3, 1, 2, 4)
-    got = jax.jit(few_rows.cache_attention, static_argnums=8)(
+    got = jax.jit(dispatch.cache_attention, static_argnums=8)(
         q_BTKGE, stack(keys), stack(values), block_keys.transpose(0, 2, 1, 3), block_values.transpose(0, 2, 1, 3),
         jnp.asarray(mask), jnp.asarray(lengths), 1, E ** -0.5)
     exact = float64_attention(q, keys, values, block_keys, block_values, mask, lengths, E ** -0.5)
@@ -308,9 +309,9 @@ def test_a_rows_attention_does_not_depend_on_the_rows_or_slots_beside_it():
     q, block_keys, block_values = random((1, 5, K, G, E), 0), random((1, 5, K, E), 4), random((1, 5, K, E), 5)
     keys, values = random((1, 1, K, 300, E), 1), random((1, 1, K, E, 300), 2)  # stacks of one layer
     lengths = jnp.asarray([n])
-    alone = few_rows.cache_attention(q[:, :1], keys[:, :, :, :n + 8], values[..., :n + 8], block_keys[:, :1], block_values[:, :1],
+    alone = dispatch.cache_attention(q[:, :1], keys[:, :, :, :n + 8], values[..., :n + 8], block_keys[:, :1], block_values[:, :1],
                                      jnp.ones((1, 1, 1), bool), lengths, 0, E ** -0.5)
-    beside = few_rows.cache_attention(q, keys, values, block_keys, block_values, jnp.tril(jnp.ones((1, 5, 5), bool)), lengths, 0,
+    beside = dispatch.cache_attention(q, keys, values, block_keys, block_values, jnp.tril(jnp.ones((1, 5, 5), bool)), lengths, 0,
                                       E ** -0.5)
     assert np.array_equal(alone, beside[:, :1])
 
@@ -332,32 +333,32 @@ def test_column_logits_read_each_rows_first_count_ids_and_equal_the_gathered_pro
     live = np.arange(L)[None, :] < counts[:, None]
     ids = np.where(live, ids, V - 1)
     hidden = random((B, T, D), 2)
-    got = np.asarray(jax.jit(tables.column_logits)(hidden, jnp.asarray(table), jnp.asarray(ids), jnp.asarray(counts)))
+    got = np.asarray(jax.jit(dispatch.column_logits)(hidden, jnp.asarray(table), jnp.asarray(ids), jnp.asarray(counts)))
     exact = np.einsum("btd,dbl->btl", np.asarray(hidden, np.float64), np.nan_to_num(table.astype(np.float64))[:, np.clip(ids, 0, V - 1)])
     scored = live & ~outside
     np.testing.assert_allclose(got, np.where(scored[:, None, :], exact, 0), rtol=0, atol=2e-6 * np.abs(exact).max())
     # A row's logits are bit for bit the same alone and beside other rows with other counts.
-    alone = tables.column_logits(hidden[2:3, :1], jnp.asarray(table), jnp.asarray(ids[2:3]), jnp.asarray(counts[2:3]))
+    alone = dispatch.column_logits(hidden[2:3, :1], jnp.asarray(table), jnp.asarray(ids[2:3]), jnp.asarray(counts[2:3]))
     assert np.array_equal(np.asarray(alone)[0, 0], got[2, 0])
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_a_16_bit_tables_columns_equal_xlas_gather(dtype):
-    """Token embeddings of a 16-bit table come from the kernel (`tables.columns`): the same float32
+    """Token embeddings of a 16-bit table come from the kernel (`dispatch.columns`): the same float32
     values as `jnp.take`, a negative id counted from the end and NaN for one outside the table as it
     gives them, and its gradient."""
     table = random((64, 300), 6).astype(dtype)
     ids = jnp.asarray([[0, 299, 7, 7], [300, -302, -1, 5]], jnp.int32)
-    assert few_rows.TARGET_TABLE_COLUMNS in jax.jit(tables.columns).lower(table, ids).as_text()
-    got = np.asarray(jax.jit(tables.columns)(table, ids))
+    assert ffi.TARGET_TABLE_COLUMNS in jax.jit(dispatch.columns).lower(table, ids).as_text()
+    got = np.asarray(jax.jit(dispatch.columns)(table, ids))
     want = np.asarray(jnp.take(table, ids, axis=1).astype(jnp.float32))
     assert got.shape == (64, 2, 4) and got.dtype == np.float32
     np.testing.assert_array_equal(got, want)
     assert np.isnan(got[:, 1, :2]).all() and not np.isnan(got[:, 0]).any()
 
     def loss(t):
-        return jnp.sum(tables.columns(t, ids[:1]) ** 2)
+        return jnp.sum(dispatch.columns(t, ids[:1]) ** 2)
 
     np.testing.assert_array_equal(np.asarray(jax.grad(loss)(table)),
                                   np.asarray(jax.grad(lambda t: jnp.sum(jnp.take(t, ids[:1], axis=1).astype(jnp.float32) ** 2))(table)))
@@ -371,7 +372,8 @@ def test_a_bfloat16_decode_loop_holds_no_float32_copy_of_the_vocabulary_table():
 
     from s3d_jax import api
     from s3d_jax.checkpoint import Model
-    from s3d_jax.model import cast_params, default_draft_vocab, draft_head_table
+    from s3d_jax.model import default_draft_vocab, draft_head_table
+    from s3d_jax.quant import cast_params
 
     base = tiny_model(draft_lora_rank=4, draft_skip=(2, 3), vocab_size=301)
     config = base.config.replace(dtype="bfloat16", draft_vocab_size=64)  # a reduced draft head, which scores context columns
@@ -382,6 +384,6 @@ def test_a_bfloat16_decode_loop_holds_no_float32_copy_of_the_vocabulary_table():
                             max_new_tokens=8, max_len=128)
     run.compile()
     table = f"[{model.config.hidden_size},{model.params['embed'].shape[1]}]"
-    for executable in run._executables:
+    for executable in run.executables:
         widened = [line for line in executable.as_text().splitlines() if f"f32{table}" in line]
         assert not widened, widened[:2]

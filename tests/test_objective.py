@@ -57,7 +57,7 @@ def test_training_draft_pass_matches_inference(gamma, skip, lora, vocab):
     train_logits = draft_logits_and_labels(model.params, config, hidden, jnp.zeros(hidden.shape[:2], jnp.int32))[0]
     anchors = sorted(set(np.asarray(anchor)[0].tolist()))
     assert len(anchors) >= T // gamma
-    plan = Plan.make(config, "s3d", gamma, skip)
+    plan = Plan.make(config, "s3d", gamma=gamma, skip=skip)
     for n in anchors:
         if n == 0 or n + gamma > T:
             continue

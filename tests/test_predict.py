@@ -150,7 +150,7 @@ def test_draft_ranks_equal_a_draft_pass_from_each_prefix(draft_vocab):
     prompt, reply, gamma = [5, 6, 7], [int(t) for t in np.random.default_rng(0).integers(0, 90, 12)], 3
     got = draft_ranks(model, [(prompt, reply)], gamma)[0]
     ids = prompt + reply
-    plan = Plan.make(model.config, "s3d", gamma, (2, 3))
+    plan = Plan.make(model.config, "s3d", gamma=gamma, skip=(2, 3))
     want = []
     for n in range(len(prompt), len(ids) - gamma):
         _, cache = prompt_forward(model.params, model.config, jnp.asarray([ids[:n]]), 32)
@@ -191,7 +191,7 @@ def test_the_gate_replay_visits_what_decoding_does(monkeypatch):
     from reference import tiny_model
 
     import s3d_jax
-    from s3d_jax import api
+    from s3d_jax import planning
     from s3d_jax.predict.replies import iteration_outcomes
     from s3d_jax.speedup import replay
 
@@ -199,7 +199,7 @@ def test_the_gate_replay_visits_what_decoding_does(monkeypatch):
     model = base.__class__(base.params, base.config.replace(draft_skip=(2, 3), draft_gamma=3, draft_tree=4))
     prompt = [3, 14, 15, 92, 65, 35] * 2
     reply = s3d_jax.decode(model, prompt, method="ar", max_new_tokens=24, eos_token_ids=()).tokens
-    outcomes = iteration_outcomes(model, [(prompt, reply)], api.plan_for(model.config, s3d_jax.DecodeOptions(min_certainty=0.0)))
+    outcomes = iteration_outcomes(model, [(prompt, reply)], planning.plan_for(model.config, s3d_jax.DecodeOptions(min_certainty=0.0)))
     certainties = np.sort(outcomes[0]["certainty"])
     gap = int(np.argmax(np.diff(certainties[len(certainties) // 4: 3 * len(certainties) // 4]))) + len(certainties) // 4
     middle = float(certainties[gap] + certainties[gap + 1]) / 2  # well away from any certainty
@@ -221,7 +221,7 @@ def test_the_gate_replay_visits_what_decoding_does(monkeypatch):
     learned_kinds = []
     for gate in (0.0, middle):
         # Without the context branch, which this reply's repetitions would take nearly everywhere.
-        monkeypatch.setattr(calibration, "drafting_policy", lambda m, gate=gate: Policy(4, gate, False, 1.0, costs))
+        monkeypatch.setattr(calibration, "drafting_policy", lambda m, gate=gate: (Policy(4, gate, False, 1.0, costs), "given"))
         out = s3d_jax.decode(model, prompt, max_new_tokens=24, eos_token_ids=())
         assert out.tokens == reply and out.stats.drafted_cost == 3.0 and out.stats.min_certainty == gate
         stats = out.stats

@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import pytest
 from reference import tiny_model
 
-from s3d_jax import few_rows, quant
+from s3d_jax import quant
 from s3d_jax.cache import KVCache
 from s3d_jax.calibration import draft_pass, verify_pass
 from s3d_jax.checkpoint import Model
+from s3d_jax.kernel import ffi
 
 FAMILIES = {
     "llama": {},
@@ -35,9 +36,9 @@ def products(fn, *args, kernel: bool = False) -> int:
     """`dot_general`s in the jaxpr of `fn(*args)`, inside loops, conditionals and calls too, with every
     product on XLA's dot; or with `kernel`, the CPU kernel's product calls instead (each call counted
     once, whatever weights it reads). A `scan`'s body (the loop over the layers) counts once per turn."""
-    with few_rows.switch(kernel):
+    with ffi.switch(kernel):
         jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    targets = (few_rows.TARGET, few_rows.TARGET_INT8, few_rows.TARGET_INT4) if kernel else ()
+    targets = (ffi.TARGET, ffi.TARGET_INT8, ffi.TARGET_INT4) if kernel else ()
 
     def count(jaxpr) -> int:
         total = 0
@@ -68,7 +69,7 @@ def test_a_plain_step_makes_one_product_per_fused_projection(family):
     assert drafted == draft_layers * (3 * PROJECTIONS + ATTENTION) + 1
 
 
-@pytest.mark.skipif(not few_rows.available(), reason="no few-row kernel on this machine")
+@pytest.mark.skipif(not ffi.available(), reason="no few-row kernel on this machine")
 @pytest.mark.parametrize("dtype", ["float32", "int8", "int4"])
 def test_a_draft_layer_calls_the_kernel_twice_per_projection(dtype):
     """On a CPU each adapter's A factor is read in its projection's kernel call, so a draft layer's

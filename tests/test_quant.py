@@ -10,14 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import layer_params, tiny_model
+from reference import assert_exact, layer_params, tiny_model
 
 import s3d_jax
-from s3d_jax import checkpoint, few_rows, quant
+from s3d_jax import checkpoint, quant
 from s3d_jax.config import ConfigError
+from s3d_jax.kernel import dispatch, ffi
 
 needs_kernel = pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX", "c++")) is None or not few_rows.switched_on(),
+    shutil.which(os.environ.get("CXX", "c++")) is None or not ffi.switched_on(),
     reason="no C++ compiler, or the kernel switched off",
 )
 # The projections' inputs (hidden 64, head_dim 32, MLP 96) are whole groups of 32.
@@ -95,8 +96,8 @@ def test_quantized_products_do_not_depend_on_the_rows_beside_them(fmt, rows, k, 
     float32 rounding."""
     q = jax.tree.map(jnp.asarray, quant.quantize(random((k, n), 1) * 0.05, 1, quant.Format.parse(fmt)))
     x = jnp.asarray(random((rows, k), 2))
-    assert few_rows.applies(rows, x.dtype, q["values"].dtype)
-    product = jax.jit(few_rows.matmul)
+    assert dispatch.applies(rows, x.dtype, q["values"].dtype)
+    product = jax.jit(dispatch.matmul)
     got = np.asarray(product(x, q))
     for t in range(rows):  # alone, and beside others
         np.testing.assert_array_equal(got[t:t + 1], np.asarray(product(x[t:t + 1], q)))
@@ -108,13 +109,13 @@ def test_quantized_products_do_not_depend_on_the_rows_beside_them(fmt, rows, k, 
 def test_more_rows_and_gradients_use_the_dequantized_weight(fmt):
     q = jax.tree.map(jnp.asarray, quant.quantize(random((2, 32, 24), 3), 2, quant.Format.parse(fmt)))
     dense = quant.dequantize(q, 2)
-    x = jnp.asarray(random((few_rows.MAX_NARROW_ROWS + 16, 2, 32), 4))  # more rows than the kernel takes: XLA's dot
-    assert not few_rows.applies(x.shape[0], x.dtype, q["values"].dtype)
-    np.testing.assert_allclose(few_rows.matmul(x, q, 2), jnp.tensordot(x, dense, 2), rtol=1e-5, atol=1e-5)
+    x = jnp.asarray(random((dispatch.MAX_NARROW_ROWS + 16, 2, 32), 4))  # more rows than the kernel takes: XLA's dot
+    assert not dispatch.applies(x.shape[0], x.dtype, q["values"].dtype)
+    np.testing.assert_allclose(dispatch.matmul(x, q, 2), jnp.tensordot(x, dense, 2), rtol=1e-5, atol=1e-5)
     stack = jax.tree.map(lambda part: jnp.stack([part * 0, part]), q)  # entry `at` of a stack, as the layers read it
-    np.testing.assert_allclose(few_rows.matmul(x, stack, 2, at=jnp.int32(1)), jnp.tensordot(x, dense, 2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dispatch.matmul(x, stack, 2, at=jnp.int32(1)), jnp.tensordot(x, dense, 2), rtol=1e-5, atol=1e-5)
     few = x[:3]
-    grad = jax.grad(lambda x: few_rows.matmul(x, q, 2).sum())(few)
+    grad = jax.grad(lambda x: dispatch.matmul(x, q, 2).sum())(few)
     np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.tensordot(x, dense, 2).sum())(few), rtol=1e-5, atol=1e-5)
 
 
@@ -137,21 +138,17 @@ def test_a_quantized_model_is_the_float_model_of_its_dequantized_weights(quantiz
 ])
 def test_quantized_speculative_greedy_equals_plain_greedy(quantized_model, options):
     prompts = [[5, 17, 3, 40], [9, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]]
-    plain = s3d_jax.decode(quantized_model, prompts, method="ar", max_new_tokens=24, eos_token_ids=())
-    spec = s3d_jax.decode(quantized_model, prompts, max_new_tokens=24, eos_token_ids=(), min_certainty=0.0, **options)
-    assert spec.tokens == plain.tokens
+    spec, plain = assert_exact(quantized_model, prompts, max_new_tokens=24, eos_token_ids=(), min_certainty=0.0, **options)
     assert sum(spec.stats.iterations) < sum(plain.stats.iterations)  # drafts were accepted: the check exercised them
 
 
 def test_quantized_speculative_greedy_is_exact_on_xlas_dot_too(quantized_model, monkeypatch):
     """With the kernel switched off every product dequantizes into XLA's dot, as on a GPU."""
-    monkeypatch.setenv(few_rows.ENV_SWITCH, "0")
+    monkeypatch.setenv(ffi.ENV_SWITCH, "0")
     prompts = [[5, 17, 3, 40], [9, 9, 2]]
-    plain = s3d_jax.decode(quantized_model, prompts, method="ar", max_new_tokens=16, eos_token_ids=())
-    spec = s3d_jax.decode(quantized_model, prompts, method="s3d", max_new_tokens=16, eos_token_ids=(), min_certainty=0.0,
-                          gamma=3, skip=(1, 4), tree=4)
-    assert spec.tokens == plain.tokens
-    product = jax.jit(lambda x, w: few_rows.matmul(x, w, at=0))
+    assert_exact(quantized_model, prompts, method="s3d", max_new_tokens=16, eos_token_ids=(), min_certainty=0.0, gamma=3, skip=(1, 4),
+                 tree=4)
+    product = jax.jit(lambda x, w: dispatch.matmul(x, w, at=0))
     lowered = product.lower(jnp.ones((1, 64)), quantized_model.params["layers"]["mlp"]["gate_up"]).as_text()
     assert "custom_call" not in lowered
 
@@ -281,6 +278,4 @@ def test_gguf_blocks_are_kept_exactly_in_the_narrowest_format_that_holds_them(ty
     want = np.asarray(s3d_jax.logits(reference, ids))
     assert np.abs(np.asarray(s3d_jax.logits(model, ids)) - want).max() <= 1e-5 * np.abs(want).max()
     prompt = [5, 17, 3, 40]
-    plain_greedy = s3d_jax.decode(model, prompt, method="ar", max_new_tokens=12, eos_token_ids=())
-    drafted = s3d_jax.decode(model, prompt, method="s3d", skip=(1, 1), gamma=3, min_certainty=0.0, max_new_tokens=12, eos_token_ids=())
-    assert drafted.tokens == plain_greedy.tokens
+    assert_exact(model, prompt, method="s3d", skip=(1, 1), gamma=3, min_certainty=0.0, max_new_tokens=12, eos_token_ids=())

@@ -256,7 +256,7 @@ def test_a_lane_s_cache_grows_and_shrinks_with_its_requests_and_outputs_stay_exa
     monkeypatch.setattr(Lane, "resize", record)
     model = chat_model()
     engine = Engine(model, slots=2, max_len=256).start()
-    compiled = (decoding.compile_count(), len(engine_module._ahead))
+    compiled = (decoding.compile_count(), len(engine.executables))
 
     def ask(question, new_tokens) -> concurrent.futures.Future:
         done = concurrent.futures.Future()
@@ -277,7 +277,7 @@ def test_a_lane_s_cache_grows_and_shrinks_with_its_requests_and_outputs_stay_exa
     finally:
         engine.stop()
     assert sizes == [256, 64]  # grown for the long request beside the short one, shrunk once it left
-    assert (decoding.compile_count(), len(engine_module._ahead)) == compiled
+    assert (decoding.compile_count(), len(engine.executables)) == compiled
     for question, new_tokens, (tokens, finish) in asked:
         alone = s3d_jax.decode(model, model.tokenizer.encode(question), method="ar", max_new_tokens=new_tokens)
         assert tokens == alone.tokens and finish == "length", question

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from reference import assert_exact
 
 import s3d_jax
 from s3d_jax import bundled, drafter
@@ -45,8 +46,7 @@ def test_plain_greedy_equals_transformers_generate(smollm2, plain, hf_smollm2):
 @pytest.mark.parametrize("method,gamma,skip", [("s3d", 4, (7, 21)), ("s3d", 2, (10, 19)), ("selfspec", 3, (7, 21))])
 def test_speculative_equals_plain_greedy_on_real_weights(smollm2, plain, method, gamma, skip):
     # The mask row is untrained here, so acceptance is low; the output must be exact regardless.
-    out = s3d_jax.decode(smollm2, CHATS, chat=True, method=method, gamma=gamma, skip=skip, max_new_tokens=NEW_TOKENS)
-    assert out.tokens == plain.tokens
+    out, _ = assert_exact(smollm2, CHATS, plain=plain, chat=True, method=method, gamma=gamma, skip=skip, max_new_tokens=NEW_TOKENS)
     assert out.stats.tokens_per_iteration >= 1.0
 
 
@@ -76,10 +76,9 @@ def test_generate_cli_reports_bad_input(smollm2_dir):
 
 def test_shipped_drafter_is_exact_and_accepted(smollm2, plain):
     drafted = drafter.apply(smollm2, bundled.DRAFTER)
-    out = s3d_jax.decode(drafted, CHATS, chat=True, max_new_tokens=NEW_TOKENS)  # the calibrated policy, whatever it chose
-    assert out.tokens == plain.tokens, "the drafter changes speed, never the output"
-    out = s3d_jax.decode(drafted, CHATS, chat=True, max_new_tokens=NEW_TOKENS, min_certainty=0.0)  # drafting at every iteration
-    assert out.tokens == plain.tokens
+    assert_exact(drafted, CHATS, plain=plain, chat=True, max_new_tokens=NEW_TOKENS)  # the calibrated policy, whatever it chose
+    # Drafting at every iteration.
+    out, _ = assert_exact(drafted, CHATS, plain=plain, chat=True, max_new_tokens=NEW_TOKENS, min_certainty=0.0)
     untrained = s3d_jax.decode(smollm2, CHATS, chat=True, max_new_tokens=NEW_TOKENS, gamma=out.stats.gamma, skip=out.stats.skip)
     assert out.stats.tokens_per_iteration > untrained.stats.tokens_per_iteration + 0.25, "the trained drafter is accepted more"
 
@@ -87,8 +86,7 @@ def test_shipped_drafter_is_exact_and_accepted(smollm2, plain):
 @pytest.mark.parametrize("draft_vocab_size", [0, 4096])  # the full head, a smaller one than the drafter's
 def test_shipped_drafter_with_another_draft_head_is_exact(smollm2, plain, draft_vocab_size):
     drafted = drafter.apply(smollm2, bundled.DRAFTER, draft_vocab_size)
-    out = s3d_jax.decode(drafted, CHATS, chat=True, max_new_tokens=NEW_TOKENS, min_certainty=0.0)
-    assert out.tokens == plain.tokens
+    assert_exact(drafted, CHATS, plain=plain, chat=True, max_new_tokens=NEW_TOKENS, min_certainty=0.0)
 
 
 @pytest.mark.needs("bundled_model")

@@ -3,6 +3,7 @@ processes share the slow real-model tests evenly)."""
 
 import numpy as np
 import pytest
+from reference import assert_exact
 from test_smollm2 import CHATS, NEW_TOKENS
 
 import s3d_jax
@@ -22,10 +23,8 @@ def test_quantized_with_the_shipped_drafter_is_exact_and_close_to_float32(dtype,
     quantized = drafter.apply(base, bundled.DRAFTER)
     assert quant.bits_of(quantized.params["layers"]["mlp"]["down"]) == quant.DTYPE_FORMATS[dtype].bits
     assert quantized.params["embed"]["values"].dtype == "int8" and quantized.params["draft_head"]["values"].dtype == "int8"
-    plain = s3d_jax.decode(quantized, CHATS, chat=True, method="ar", max_new_tokens=NEW_TOKENS)
     # Drafting at every iteration (no calibration: a minute that checks nothing here).
-    out = s3d_jax.decode(quantized, CHATS, chat=True, max_new_tokens=NEW_TOKENS, min_certainty=0.0, tree=tree)
-    assert out.tokens == plain.tokens
+    _, plain = assert_exact(quantized, CHATS, chat=True, max_new_tokens=NEW_TOKENS, min_certainty=0.0, tree=tree)
     ids = plain.tokens[0][:32]  # the logits stay near float32's on real text
     float_logits, quantized_logits = np.asarray(s3d_jax.logits(s3d_jax.load(smollm2_dir), ids)), np.asarray(s3d_jax.logits(quantized, ids))
     # int8 rounds the weights (0.035 measured on a reply); int4 holds float32's own weights, summed in another order.
@@ -42,6 +41,4 @@ def test_bfloat16_with_the_shipped_drafter_is_exact(smollm2_dir):
     model = drafter.apply(s3d_jax.load(smollm2_dir, dtype="bfloat16"), bundled.DRAFTER)
     assert model.params["layers"]["mlp"]["down"].dtype == jnp.bfloat16
     new_tokens = 2 * NEW_TOKENS
-    plain = s3d_jax.decode(model, CHATS, chat=True, method="ar", max_new_tokens=new_tokens)
-    out = s3d_jax.decode(model, CHATS, chat=True, max_new_tokens=new_tokens, min_certainty=0.0, tree=4, lookup=True)
-    assert out.tokens == plain.tokens
+    assert_exact(model, CHATS, chat=True, max_new_tokens=new_tokens, min_certainty=0.0, tree=4, lookup=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from reference import assert_exact
 
 import s3d_jax
 from s3d_jax import checkpoint, drafter, quant
@@ -92,10 +93,8 @@ def test_trained_model_decodes_with_its_recorded_defaults(trained):
     cfg, _, out = trained
     model = s3d_jax.load(out)
     assert model.config.draft_skip == tuple(cfg.s3d.skip) and model.config.draft_gamma == cfg.s3d.gamma
-    plain = s3d_jax.decode(model, "Hello there", chat=True, method="ar", max_new_tokens=12, eos_token_ids=())
-    spec = s3d_jax.decode(model, "Hello there", chat=True, max_new_tokens=12, eos_token_ids=())
+    spec, _ = assert_exact(model, "Hello there", chat=True, max_new_tokens=12, eos_token_ids=())
     assert spec.stats.method == "s3d" and spec.stats.gamma == cfg.s3d.gamma and spec.stats.skip == tuple(cfg.s3d.skip)
-    assert spec.tokens == plain.tokens
 
 
 @pytest.mark.needs("bundled_model", "mt_bench")
@@ -153,9 +152,7 @@ def test_draft_only_lora_leaves_the_verifier_bit_identical(tmp_path):
     assert changed_columns.tolist() == [cfg.model.mask_token_id]
     # Decoding with the adapters stays exact against the original model's greedy output.
     prompt = [1, 2, 3, 4, 5]
-    plain = s3d_jax.decode(original, prompt, method="ar", max_new_tokens=10, eos_token_ids=())
-    spec = s3d_jax.decode(trained_model, prompt, max_new_tokens=10, eos_token_ids=())
-    assert spec.tokens == plain.tokens
+    assert_exact(trained_model, prompt, plain_model=original, max_new_tokens=10, eos_token_ids=())
 
 
 @pytest.mark.needs("bundled_model", "mt_bench")
@@ -313,8 +310,6 @@ def test_qlora_trains_adapters_on_an_int4_base(tmp_path):
     lora = [v for k, v in leaves(trained_model.params).items() if "_lora']['b']" in k]
     assert lora and any(np.abs(v).max() > 0 for v in lora), "the adapters trained"
     prompt = [1, 2, 3, 4, 5]
-    plain = s3d_jax.decode(base, prompt, method="ar", max_new_tokens=10, eos_token_ids=())
-    spec = s3d_jax.decode(trained_model, prompt, max_new_tokens=10, eos_token_ids=(), min_certainty=0.0)
-    assert spec.tokens == plain.tokens
+    assert_exact(trained_model, prompt, plain_model=base, max_new_tokens=10, eos_token_ids=(), min_certainty=0.0)
     with pytest.raises(s3d_jax.ConfigError, match="base_dtype int4 .* s3d.lora_rank"):
         train(tiny_config(**quantizable, base_dtype="int4"), tmp_path / "full", progress=False)

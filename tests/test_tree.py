@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import numpy_logits, tiny_model
+from reference import assert_exact, numpy_logits, tiny_model
 
 import s3d_jax
-from s3d_jax import api, decoding, sampling, tree
+from s3d_jax import api, decoding, planning, sampling, tree
 from s3d_jax.cache import KVCache, cached_forward, prompt_forward
 
 
@@ -106,9 +106,7 @@ def test_the_greedy_path_written_in_its_order_is_plain_decoding_s_cache(model):
 def test_tree_decoding_equals_plain_greedy(model, size, gamma, skip):
     prompts = [np.random.default_rng(s).integers(0, 95, n).tolist() for s, n in ((0, 4), (1, 9), (2, 2))]
     for eos in ((), (7, 30)):
-        plain = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=20, eos_token_ids=eos)
-        out = s3d_jax.decode(model, prompts, gamma=gamma, skip=skip, tree=size, min_certainty=0.0, max_new_tokens=20, eos_token_ids=eos)
-        assert out.tokens == plain.tokens, f"eos {eos}"
+        assert_exact(model, prompts, gamma=gamma, skip=skip, tree=size, min_certainty=0.0, max_new_tokens=20, eos_token_ids=eos)
 
 
 def test_tree_accepts_at_least_what_the_chain_does():
@@ -282,35 +280,20 @@ def test_every_grafted_node_sees_exactly_its_path(model, size):
 def test_lookup_decoding_equals_plain_greedy_and_accepts_more_on_repeats(model, size, gamma):
     """A prompt that repeats itself: the branch copies the repeat. The output stays plain greedy's."""
     prompts = [[3, 14, 15, 92, 65, 35] * 4, np.random.default_rng(1).integers(0, 95, 9).tolist(), [8, 8]]
-    plain = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=24, eos_token_ids=())
     options = dict(gamma=gamma, skip=(2, 3), tree=size, min_certainty=0.0, max_new_tokens=24, eos_token_ids=())
-    with_branch = s3d_jax.decode(model, prompts, lookup=True, **options)
-    without = s3d_jax.decode(model, prompts, lookup=False, **options)
-    assert with_branch.tokens == plain.tokens == without.tokens
+    with_branch, plain = assert_exact(model, prompts, lookup=True, **options)
+    without, _ = assert_exact(model, prompts, plain=plain, lookup=False, **options)
     assert with_branch.stats.tokens_per_iteration > without.stats.tokens_per_iteration
     assert with_branch.stats.lookup and not without.stats.lookup
-
-
-@pytest.mark.parametrize("options,match", [
-    (dict(lookup=True, tree=0), "give tree=N"),
-    (dict(lookup=True, method="ar"), "needs method 's3d'"),
-    (dict(lookup="yes", tree=4), "lookup must be True or False"),
-    (dict(tree=58, max_len=64), r"tree 58 \+ lookup 4"),
-])
-def test_bad_lookup_requests(model, options, match):
-    with pytest.raises((ValueError, TypeError), match=match):
-        s3d_jax.decode(model, [1, 2, 3], max_new_tokens=4, gamma=4, **options)
 
 
 def test_a_context_that_supplies_the_whole_branch_skips_the_draft(model):
     """Where every active row's context gives all γ branch tokens, the iteration verifies the branch
     alone (no draft pass); the output is still plain greedy's."""
     prompt = [3, 14, 15, 92, 65, 35] * 5
-    plain = s3d_jax.decode(model, prompt, method="ar", max_new_tokens=24, eos_token_ids=())
     options = dict(gamma=3, skip=(2, 3), tree=4, min_certainty=0.0, max_new_tokens=24, eos_token_ids=())
-    with_branch = s3d_jax.decode(model, prompt, lookup=True, **options)
-    without = s3d_jax.decode(model, prompt, lookup=False, **options)
-    assert with_branch.tokens == plain.tokens == without.tokens
+    with_branch, plain = assert_exact(model, prompt, lookup=True, **options)
+    without, _ = assert_exact(model, prompt, plain=plain, lookup=False, **options)
     assert 0 < sum(with_branch.stats.branch_only) <= sum(with_branch.stats.iterations)
     assert sum(without.stats.branch_only) == 0
     assert "the context branch alone" in with_branch.stats.summary()
@@ -323,9 +306,7 @@ def test_the_branch_alone_accepts_more_than_gamma_from_a_long_copy(model):
     seed = np.random.default_rng(3).integers(0, 95, 6).tolist()
     reply = s3d_jax.decode(model, seed, method="ar", max_new_tokens=40, eos_token_ids=()).tokens
     prompt = seed + reply + seed
-    plain = s3d_jax.decode(model, prompt, method="ar", max_new_tokens=32, eos_token_ids=())
-    out = s3d_jax.decode(model, prompt, gamma=2, skip=(2, 3), tree=4, lookup=True, min_certainty=0.0, max_new_tokens=32, eos_token_ids=())
-    assert out.tokens == plain.tokens
+    out, _ = assert_exact(model, prompt, gamma=2, skip=(2, 3), tree=4, lookup=True, min_certainty=0.0, max_new_tokens=32, eos_token_ids=())
     histogram = np.sum(out.stats.accept_histogram, axis=0)
     assert len(histogram) == 4 + 2 + 1, "k = 0..N+γ"
     assert histogram[3:].sum() > 0, f"no iteration accepted more than γ = 2 drafts: {histogram.tolist()}"
@@ -344,9 +325,9 @@ def test_the_verifier_certainty_is_its_top_probability_where_it_picked_x_n(model
         n = int(state.cache.lengths[0])
         logits = numpy_logits(model, np.asarray(state.tokens)[0, :n].tolist())[-1, : model.config.mask_token_id]
         probs = np.exp(logits - logits.max())
-        np.testing.assert_allclose(float(state.certainty[0]), probs.max() / probs.sum(), rtol=1e-4)
+        np.testing.assert_allclose(float(state.gate.certainty[0]), probs.max() / probs.sum(), rtol=1e-4)
         state = run.advance(state, int(state.iteration) + 1)
-    assert int(state.iteration) > 2 and (int(state.branch_only[0]) > 0) == lookup
+    assert int(state.iteration) > 2 and (int(state.stats.branch_only[0]) > 0) == lookup
 
 
 @pytest.mark.parametrize("certainty,plain_step", [(0.3, True), (0.7, False)])
@@ -356,10 +337,10 @@ def test_an_iteration_drafts_only_where_the_text_is_predictable(model, certainty
     _, run, _ = api.prepare(model, [5, 6, 7, 8], gamma=3, skip=(2, 3), tree=4, lookup=False, min_certainty=0.5, max_new_tokens=16,
                             eos_token_ids=())
     state = run.start()
-    state = state.replace(certainty=jnp.full_like(state.certainty, certainty))
+    state = state.replace(gate=state.gate.replace(certainty=jnp.full_like(state.gate.certainty, certainty)))
     after = jax.jit(decoding.iterate, static_argnums=(1, 2))(run.params, run.config, run.plan, state)
-    assert int(after.plain_steps[0]) == plain_step
-    assert int(after.accept_histogram.sum()) == (not plain_step)
+    assert int(after.stats.plain_steps[0]) == plain_step
+    assert int(after.stats.accept_histogram.sum()) == (not plain_step)
     if plain_step:
         assert int(after.num_generated[0]) == 2, "a plain step emits one token"
 
@@ -368,11 +349,9 @@ def test_plain_steps_keep_decoding_exact_and_are_reported(model):
     """Never drafting (min_certainty 1) is plain decoding through the tree's loop; a threshold between
     the certainties mixes the two kinds. Every output stays plain greedy's."""
     prompts = [np.random.default_rng(s).integers(0, 95, n).tolist() for s, n in ((0, 4), (1, 9))]
-    plain = s3d_jax.decode(model, prompts, method="ar", max_new_tokens=20, eos_token_ids=())
     options = dict(gamma=3, skip=(2, 3), tree=4, lookup=False, max_new_tokens=20, eos_token_ids=())
-    always = s3d_jax.decode(model, prompts, min_certainty=0.0, **options)
-    never = s3d_jax.decode(model, prompts, min_certainty=1.0, **options)
-    assert always.tokens == never.tokens == plain.tokens
+    always, plain = assert_exact(model, prompts, min_certainty=0.0, **options)
+    never, _ = assert_exact(model, prompts, plain=plain, min_certainty=1.0, **options)
     assert sum(always.stats.plain_steps) == 0
     assert never.stats.plain_steps == [19, 19] and sum(never.stats.iterations) == 0, "the prefill picks the first token"
     assert "plain steps" in never.stats.summary() and "no draft was verified" in never.stats.summary()
@@ -381,17 +360,16 @@ def test_plain_steps_keep_decoding_exact_and_are_reported(model):
     gated = []  # per iteration, the certainty a gate must exceed to make it a plain step: its active rows' highest
     state = run.start()
     while not bool(np.all(state.done)):
-        gated.append(float(np.max(np.asarray(state.certainty)[~np.asarray(state.done)])))
+        gated.append(float(np.max(np.asarray(state.gate.certainty)[~np.asarray(state.done)])))
         state = run.advance(state, int(state.iteration) + 1)
     low, high = sorted(set(gated))[len(set(gated)) // 2 - 1: len(set(gated)) // 2 + 1]
     middle = (low + high) / 2  # some iterations below it, some above
-    mixed = s3d_jax.decode(model, prompts, min_certainty=middle, **options)
-    assert mixed.tokens == plain.tokens
+    mixed, _ = assert_exact(model, prompts, plain=plain, min_certainty=middle, **options)
     assert 0 < sum(mixed.stats.plain_steps) and 0 < sum(mixed.stats.iterations)
 
 
 def test_the_default_min_certainty_is_for_greedy_trees(model):
-    plan = lambda **options: api.plan_for(model.config, s3d_jax.DecodeOptions(**options))  # noqa: E731
+    plan = lambda **options: planning.plan_for(model.config, s3d_jax.DecodeOptions(**options))  # noqa: E731
     assert plan(tree=4).min_certainty == s3d_jax.options.DEFAULT_MIN_CERTAINTY
     assert plan(tree=4, temperature=0.7).min_certainty == 0.0, "sampling drafts at every iteration unless asked"
     assert plan(tree=4, min_certainty=0.25).min_certainty == 0.25

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from s3d_jax import api
+from s3d_jax import planning
 from s3d_jax.calibration import draft_ms, tree_verify_ms, verify_ms
 from s3d_jax.metrics import tokens_per_iteration
 from s3d_jax.options import DecodeOptions
@@ -44,7 +44,7 @@ def predict_gates(model, args, plain_speed: float | None) -> dict:
     the gate where drafts pay); with `plain_speed` (the --sweep), also the measured speedup of decoding
     with the fixed gate."""
     config = model.config
-    plan = api.plan_for(config, DecodeOptions(min_certainty=0.0))
+    plan = planning.plan_for(config, DecodeOptions(min_certainty=0.0))
     if not plan.tree or not plan.lookup:
         raise SystemExit(f"--gates replays a drafter's tree with the context branch; this drafter's default tree is {plan.tree}")
     print(f"replaying min_certainty {args.gates} on the model's own replies ...", file=sys.stderr)

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from s3d_jax import api, data, self_data
+from s3d_jax import api, data, planning, self_data
 from s3d_jax import drafter as drafter_lib
 from s3d_jax.options import DecodeOptions
 from s3d_jax.predict.replies import iteration_outcomes
@@ -39,7 +39,7 @@ def measure(model, replies) -> dict:
     profile = {}
     for size in TREES:
         print(f"profiling a tree of {size} on {len(replies)} replies ...", file=sys.stderr)
-        plan = api.plan_for(model.config, DecodeOptions(tree=size, lookup=True, min_certainty=0.0))
+        plan = planning.plan_for(model.config, DecodeOptions(tree=size, lookup=True, min_certainty=0.0))
         profile[size] = [{"certainty": np.round(o["certainty"].astype(np.float64), 4), "drafted": o["drafted"].astype(int),
                           "branch": o["branch"].astype(int), "branch_k": o["branch_k"].astype(int)}
                          for o in iteration_outcomes(model, replies, plan)]

@@ -42,7 +42,7 @@ def draft_ranks(model, replies, gamma: int) -> list[np.ndarray]:
     the tokens n+1 .. n+γ in the draft distributions of one S3D pass from x_n, the cache holding the
     full model's entries before n, as in decoding. Greedy decoding visits exactly these tokens."""
     config = model.config
-    plan = Plan.make(config, "s3d", gamma, config.draft_skip)
+    plan = Plan.make(config, "s3d", gamma=gamma, skip=config.draft_skip)
 
     @jax.jit
     def ranks(params, ids, positions):

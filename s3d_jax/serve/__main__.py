@@ -12,9 +12,10 @@ import signal
 import sys
 from pathlib import Path
 
-from s3d_jax import bundled, calibration, few_rows, options
+from s3d_jax import bundled, calibration, options
 from s3d_jax.api import load
 from s3d_jax.generate import positive_int
+from s3d_jax.kernel import ffi
 
 DEFAULT_MAX_LEN = 2048  # each step reads the whole window (docs/serving.md), so not the model's whole context by default
 
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
         decode_options = options.DecodeOptions.from_args(args)  # checked before the model loads
         if args.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-        few_rows.switched_on()
+        ffi.switched_on()
         calibration.switched_on()
         model = load(**options.load_arguments(args))
         name = args.served_model_name or (Path(args.model).name if args.model else bundled.model_dir().name.split(".format")[0])

@@ -27,15 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3d_jax import api, decoding, sharding
+from s3d_jax import api, decoding, planning, sharding
 from s3d_jax.checkpoint import Model
 from s3d_jax.options import DecodeOptions, bucket
 from s3d_jax.sampling import Sampling
 from s3d_jax.speculative import Plan
-
-# A row's own fields; the rest (eos ids, rng, iteration count) the lane's rows share.
-ROW_FIELDS = ("tokens", "cache", "prompt_lengths", "num_generated", "done", "max_new_tokens", "accept_histogram", "branch_only",
-              "certainty", "plain_steps", "draft_surplus")
 
 
 class QueueFull(RuntimeError):
@@ -96,7 +92,7 @@ def _insert(state: decoding.DecodeState, row: decoding.DecodeState, slot, reseed
     def put(full, one, axis=0):
         return jax.lax.dynamic_update_slice_in_dim(full, one.astype(full.dtype), slot, axis=axis)
 
-    rows = {f: jax.tree.map(put, getattr(state, f), getattr(row, f)) for f in ROW_FIELDS if f != "cache"}
+    rows = {f: jax.tree.map(put, getattr(state, f), getattr(row, f)) for f in decoding.DecodeState.row_fields() if f != "cache"}
     full, one = state.cache, row.cache  # the layer stacks' rows are their second axis
     rows["cache"] = full.replace(keys=put(full.keys, one.keys, 1), values=put(full.values, one.values, 1),
                                  lengths=put(full.lengths, one.lengths))
@@ -110,18 +106,6 @@ def _free(state: decoding.DecodeState, slot) -> decoding.DecodeState:
 _insert_jit = jax.jit(_insert, static_argnames="reseed", donate_argnames="state")
 _free_jit = jax.jit(_free, donate_argnames="state")
 _resized_jit = jax.jit(_resized, static_argnames="max_len")  # not donated: the result has another shape
-_ahead: dict = {}
-
-
-def _executable(fn, *args, **statics):
-    """`fn` compiled for the shapes and placements of `args` (arrays or ShapeDtypeStructs), once per
-    process: `Lane.warm` compiles every one a request can need, so that none compiles on its way."""
-    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=decoding.placement(x)), args)
-    key = (fn, tuple(sorted(statics.items())), jax.tree.structure(structs),
-           tuple((s.shape, s.dtype, s.sharding) for s in jax.tree.leaves(structs)))
-    if key not in _ahead:
-        _ahead[key] = fn.lower(*structs, **statics).compile()
-    return _ahead[key]
 
 # The smallest cache a lane runs with. Each size is one more compiled loop; below this a step's
 # attention costs little next to its weights.
@@ -136,8 +120,9 @@ class Lane:
     serves, prompt, reply and draft block: it grows when a longer request comes in and shrinks when
     the longest leaves. Each size compiles its loop once."""
 
-    def __init__(self, model: Model, plan: Plan, slots: int, max_len: int, eos_ids: tuple[int, ...]):
+    def __init__(self, model: Model, plan: Plan, slots: int, max_len: int, eos_ids: tuple[int, ...], held: dict):
         self.model, self.plan, self.max_len, self.eos_ids = model, plan, max_len, eos_ids
+        self.held = held  # the engine's executables: `warm` compiles every one a request can need, so that none compiles on its way
         self.requests: list[Request | None] = [None] * slots
         self.capacity = self.capacity_for(0)
         # Empty slots: one-token prompts with room for none, finished from the start.
@@ -149,7 +134,12 @@ class Lane:
         padded = np.zeros((len(prompts), min(bucket(prompts.shape[1] + 1), max_len)), np.int32)  # and the first token
         padded[:, : prompts.shape[1]] = prompts
         return decoding.Run(self.model.params, self.model.config, self.plan, padded, np.full(len(prompts), prompts.shape[1]),
-                            max_new_tokens, self.eos_ids, seed, max_len)
+                            max_new_tokens, self.eos_ids, seed, max_len, held=self.held)
+
+    def _executable(self, fn, *args, **statics):
+        """`fn` compiled for the shapes and placements of `args` (arrays or ShapeDtypeStructs), as decoding compiles."""
+        structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=decoding.placement(x)), args)
+        return decoding.compiled(fn, *structs, held=self.held, **statics)[0]
 
     def capacity_for(self, positions: int) -> int:
         return min(self.max_len, max(MIN_CAPACITY, bucket(positions)))
@@ -160,8 +150,8 @@ class Lane:
 
     def resize(self, capacity: int) -> None:
         if capacity != self.capacity:
-            self.state = _executable(_resized_jit, self.state, max_len=capacity)(self.state)
-            self.run = dataclasses.replace(self.run, max_len=capacity, _executables=None)
+            self.state = self._executable(_resized_jit, self.state, max_len=capacity)(self.state)
+            self.run = dataclasses.replace(self.run, max_len=capacity, executables=None)
             self.capacity = capacity
 
     def warm(self) -> None:
@@ -175,17 +165,17 @@ class Lane:
             length = bucket(length) + 1
         states = []
         for capacity in sorted({self.capacity_for(1 << n) for n in range(self.max_len.bit_length() + 1)}):
-            run = dataclasses.replace(self.run, max_len=capacity, _executables=None)
+            run = dataclasses.replace(self.run, max_len=capacity, executables=None)
             run.compile()
             states.append(run._prefill_executable()[0].out_info)
         slot = jax.ShapeDtypeStruct((), jnp.int32)
         for state in states:
-            _executable(_free_jit, state, slot)
+            self._executable(_free_jit, state, slot)
             for row, reseed in itertools.product(rows, (False, True)):
-                _executable(_insert_jit, state, row, slot, reseed=reseed)
+                self._executable(_insert_jit, state, row, slot, reseed=reseed)
             for other in states:
                 if other is not state:
-                    _executable(_resized_jit, state, max_len=other.tokens.shape[1])
+                    self._executable(_resized_jit, state, max_len=other.tokens.shape[1])
 
     def _prefill_run(self, prompts, max_new_tokens: int, seed: int) -> decoding.Run:
         """A prompt's prefill, with a cache just large enough for the prompt and its first token: as wide
@@ -208,12 +198,12 @@ class Lane:
         the request's first token."""
         self.resize(max(self.capacity, self.capacity_for(self.positions(request))))
         slot = np.int32(slot)  # a host value, as `warm` compiled for
-        self.state = _executable(_insert_jit, self.state, row, slot, reseed=not self.active)(self.state, row, slot)
+        self.state = self._executable(_insert_jit, self.state, row, slot, reseed=not self.active)(self.state, row, slot)
         self.requests[slot] = request
         return int(row.tokens[0, len(request.prompt_ids)])
 
     def free(self, slot: int) -> None:
-        self.state = _executable(_free_jit, self.state, np.int32(slot))(self.state, np.int32(slot))
+        self.state = self._executable(_free_jit, self.state, np.int32(slot))(self.state, np.int32(slot))
         self.requests[slot] = None
 
     def advance(self, iterations: int):
@@ -222,7 +212,7 @@ class Lane:
         self.resize(self.capacity_for(max((self.positions(self.requests[i]) for i in self.active), default=0)))
         self.state = self.run.advance(self.state, self.iteration + iterations)
         tokens, generated, done, histogram, iteration = sharding.to_host(
-            (self.state.tokens, self.state.num_generated, self.state.done, self.state.accept_histogram, self.state.iteration))
+            (self.state.tokens, self.state.num_generated, self.state.done, self.state.stats.accept_histogram, self.state.iteration))
         self.iteration = int(iteration)
         return tokens, generated, done, histogram
 
@@ -255,6 +245,7 @@ class Engine:
         self.chunk_iterations, self.max_lanes = chunk_iterations, max_lanes
         self.eos_ids = api.eos_ids_for(model, self.options)
         self.lanes: dict[Sampling, Lane] = {}
+        self.executables: dict = {}  # every lane's, for as long as the engine lives (`decoding.compiled`)
         self.waiting: collections.deque[Request] = collections.deque()
         self.totals = Totals()
         self._cond = threading.Condition()
@@ -314,7 +305,7 @@ class Engine:
 
     def _plan(self, sampling: Sampling) -> Plan:
         options = self.options.replace(temperature=sampling.temperature, top_p=sampling.top_p)
-        return api.plan_for(self.model.config, options, api.drafting_policy(self.model, options))
+        return planning.plan_for(self.model.config, options, planning.drafting_policy(self.model, options)[0])
 
     def lane(self, sampling: Sampling) -> Lane | None:
         """The lane of `sampling`, made if there is room (an idle lane of another setting is dropped); else None."""
@@ -325,7 +316,7 @@ class Engine:
             if idle is None:
                 return None
             del self.lanes[idle]
-        self.lanes[sampling] = Lane(self.model, self._plan(sampling), self.slots, self.max_len, self.eos_ids)
+        self.lanes[sampling] = Lane(self.model, self._plan(sampling), self.slots, self.max_len, self.eos_ids, self.executables)
         return self.lanes[sampling]
 
     def _loop(self) -> None:

@@ -24,8 +24,9 @@ from flax import traverse_util
 from s3d_jax import bundled, checkpoint, quant
 from s3d_jax.checkpoint import CheckpointError, Model
 from s3d_jax.config import QUANTIZED_DTYPES, ConfigError, ModelConfig
-from s3d_jax.model import cast_params, init_params
+from s3d_jax.model import init_params
 from s3d_jax.objective import Objective
+from s3d_jax.quant import cast_params
 from s3d_jax.train.config import model_config_from, resume_settings, trained_config
 from s3d_jax.train.trainer import Trainer, TrainState
 

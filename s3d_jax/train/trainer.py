@@ -14,8 +14,8 @@ import optax
 from flax import traverse_util
 
 from s3d_jax.config import ModelConfig
-from s3d_jax.model import cast_params
 from s3d_jax.objective import Batch, Objective, loss_fn
+from s3d_jax.quant import cast_params
 from s3d_jax.sharding import split_over_data
 from s3d_jax.train.config import objective_from
 

@@ -1,7 +1,7 @@
 // y = x @ w for a few rows of x (a decode pass: 1 to 16 tokens) against a large row-major weight,
 // a pass's attention over the KV cache (`CacheScores`, `CacheValues`, at the end), the draft head's
 // context columns (`ContextLogits`) and a 16-bit table's token columns (`TableColumns`), as XLA FFI
-// handlers for the CPU (s3d_jax/few_rows.py builds and registers them). The weight is float32,
+// handlers for the CPU (s3d_jax/kernel/ builds and registers them). The weight is float32,
 // bfloat16, float16, int8 in groups of 32 or 16 rows with one float32 scale (and optional minimum)
 // per group and column (GGUF's Q8_0, Q5_0, Q5_1, Q6_K and mixed stacks), or int4 in such groups with
 // a float16 or float32 scale and minimum (GGUF's Q4_0, Q4_1, Q4_K; s3d_jax/quant.py has the layouts).
@@ -366,7 +366,7 @@ struct Job {
   }
 };
 
-// Set by S3dFewRowConfigure before the first product (few_rows.py does, when it loads the library).
+// Set by S3dFewRowConfigure before the first product (kernel/ffi.py does, when it loads the library).
 std::atomic<int64_t> configured_threads{1};
 std::atomic<int64_t> configured_spin_us{0};
 
