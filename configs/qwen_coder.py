@@ -5,8 +5,10 @@ the model's own greedy replies to ShareGPT prompts, in stages of at most about t
     python -m s3d_jax.self_data --model qwen2.5-coder-0.5b --out data/qwen_coder_replies_1.jsonl --limit 1600 --batch 64 \
         --max-new-tokens 256 --max-prompt-tokens 192
     python -m s3d_jax.train --config configs/qwen_coder.py --workdir runs/qwen_coder_drafter
-    python -m s3d_jax.predict --model qwen2.5-coder-0.5b --drafters runs/qwen_coder_drafter/drafter.safetensors --profile 24 \
-        --max-new-tokens 128
+    python -m s3d_jax.predict --model qwen2.5-coder-0.5b --drafters runs/qwen_coder_drafter/drafter.safetensors --profile 8 \
+        --max-new-tokens 96
+    python -c "from s3d_jax import drafter; drafter.ship('runs/qwen_coder_drafter/drafter.safetensors', \
+        's3d_jax/drafters/Qwen2.5-Coder-0.5B-Instruct.safetensors')"
 
 or `make qwen-drafter`. Every step resumes where a killed run stopped. The replies file is committed
 as it grows (data/), so generating them may span sessions.
@@ -29,9 +31,11 @@ def get_config():
     c.model_path = "qwen2.5-coder-0.5b"
     c.data.path = "data/qwen_coder_replies_1.jsonl"
     c.s3d.skip = (6, 17)  # 12 of 24 layers skipped, centred
-    # 90 steps of 2,560 tokens, three quarters of a pass over the stage's 300k: about two hours at the
-    # 80 s a step measured on 2 cores, so that the run fits one session with the CPU to itself (a
-    # session's workdir does not outlive it). Rows of 8 as 2 x 4: the same step as SmolLM2's 8 rows in
-    # less memory (17.7 GB at 8 rows at once; 14.7 GB at 2 x 4 after five steps, docs/training.md).
-    c.train.update(steps=90, warmup_steps=8, batch_size=4, grad_accum=2, eval_every=15, checkpoint_every=5)
+    # 60 steps of 2,560 tokens, half a pass over the stage's 300k: 80-85 s a step on 2 cores, about 85
+    # minutes, so that the run, the drafter's profile and its benchmarks fit one session (a session's
+    # workdir does not outlive it). The run of 2026-12-03 was planned for 90 steps and cut to 60 at
+    # step 35 (the cosine schedule shortened from there) to leave that session time to measure it.
+    # Rows of 8 as 2 x 4: the same step as SmolLM2's 8 rows in less memory (17.7 GB at 8 rows at
+    # once; 14.7 GB at 2 x 4, docs/training.md).
+    c.train.update(steps=60, warmup_steps=8, batch_size=4, grad_accum=2, eval_every=15, checkpoint_every=5)
     return c

@@ -41,7 +41,7 @@ from s3d_jax import sharding, tree
 from s3d_jax.cache import KVCache
 from s3d_jax.checkpoint import Model
 from s3d_jax.decoding import compile_ahead
-from s3d_jax.kernel import build, ffi
+from s3d_jax.kernel import build, dispatch, ffi
 from s3d_jax.options import DEFAULT_GAMMA
 from s3d_jax.paths import cache_root
 from s3d_jax.settings import env_setting, env_switch, usable_cores
@@ -64,22 +64,23 @@ ENV_TRIES = "S3D_JAX_CALIBRATE_TRIES"
 BUSY_TRIES = 3  # calibrations in a row that find the machine busy before their costs stay cached as they are ($S3D_JAX_CALIBRATE_TRIES)
 
 
-def pass_timer(model, pass_fn, context: int = 256, repeats: int = 20):
-    """A compiled, warmed-up `pass_fn(params, cache, x_n)` over a cache filled to `context` positions;
-    each call of the returned function times `repeats` passes inside one jitted loop (no dispatch
-    overhead) and returns milliseconds per pass. The input token changes every iteration, so XLA
-    cannot hoist the pass out of the loop."""
-    cache = KVCache.zeros(model.config, 1, max(512, context + 16)).replace(lengths=jnp.asarray([context], jnp.int32))
+def pass_timer(model, pass_fn, context: int = 256, repeats: int = 20, rows: int = 1):
+    """A compiled, warmed-up `pass_fn(params, cache, x_n)` over a cache of `rows` rows filled to
+    `context` positions; each call of the returned function times `repeats` passes inside one jitted
+    loop (no dispatch overhead) and returns milliseconds per pass. The input token changes every
+    iteration, so XLA cannot hoist the pass out of the loop."""
+    cache = KVCache.zeros(model.config, rows, max(512, context + 16)).replace(lengths=jnp.full((rows,), context, jnp.int32))
 
     def loop(params, cache, few_row_kernel):
         def body(i, total):
-            return total + pass_fn(params, cache, jnp.full((1,), i % 1000, jnp.int32)).sum()
+            return total + pass_fn(params, cache, (i + jnp.arange(rows, dtype=jnp.int32)) % 1000).sum()
 
         with ffi.switch(few_row_kernel):
             return jax.lax.fori_loop(0, repeats, body, jnp.zeros((), jnp.float32))
 
     # Compiled as the decode loop is; not kept in its cache, since `loop` closes over `pass_fn`.
-    fn, _ = compile_ahead(jax.jit(loop, static_argnames="few_row_kernel"), model.params, cache, few_row_passes=True)
+    few_rows = rows * (DEFAULT_GAMMA + 2) <= dispatch.MAX_ROWS  # as a loop of γ = 4 decides (`decoding.Run.few_row_passes`)
+    fn, _ = compile_ahead(jax.jit(loop, static_argnames="few_row_kernel"), model.params, cache, few_row_passes=few_rows)
     jax.block_until_ready(fn(model.params, cache))  # warm up
 
     def timed() -> float:
@@ -100,9 +101,8 @@ def pass_ms(model, pass_fn, **timing) -> float:
 
 
 def verify_pass(model, tokens: int):
-    """A full-model pass over `tokens` tokens (1 is a plain decoding step)."""
-    drafts = jnp.zeros((1, tokens - 1), jnp.int32)
-    return lambda p, c, x_n: verify(p, model.config, c, x_n, drafts)[0]
+    """A full-model pass over `tokens` tokens per row (1 is a plain decoding step)."""
+    return lambda p, c, x_n: verify(p, model.config, c, x_n, jnp.zeros((len(x_n), tokens - 1), jnp.int32))[0]
 
 
 def draft_pass(model, skip, gamma: int):
@@ -134,7 +134,7 @@ def tree_pass(model, size: int, gamma: int):
 
     def run(p, c, x_n):
         # Shifted by x_n (softmax ignores a shift), so XLA cannot fold the tree's top-k into a constant.
-        nodes = tree.build(x_n, logits + x_n[:, None, None].astype(jnp.float32), size)
+        nodes = tree.build(x_n, logits + x_n[:, None, None].astype(jnp.float32), size)  # [1, ...] broadcast over the rows
         return tree.verify(p, config, c, nodes, gamma)[0]
 
     return run
@@ -152,9 +152,9 @@ def tree_verify_ms(model, size: int, gamma: int, **timing) -> float:
     return pass_ms(model, tree_pass(model, size, gamma), **timing)
 
 
-def time_passes(model, gamma: int) -> dict:
-    """Milliseconds per round of each pass the policy weighs: `step`, `verify` (γ+1 tokens), `draft` (γ)
-    and each tree of `TREE_SIZES`. Everything is compiled first, then the passes are timed in turn,
+def time_passes(model, gamma: int, rows: int = 1) -> dict:
+    """Milliseconds per round of each pass the policy weighs over `rows` rows: `step`, `verify` (γ+1
+    tokens), `draft` (γ) and each tree of `TREE_SIZES`. Everything is compiled first, then the passes are timed in turn,
     `ROUNDS` times over, so that a disturbance of a second or two slows one round of each, not all
     rounds of one."""
     c = model.config
@@ -164,7 +164,7 @@ def time_passes(model, gamma: int) -> dict:
     # the passes compile side by side, as many at a time as this process has cores.
     ffi.prepare()  # the kernel's first build, once, before the threads
     with concurrent.futures.ThreadPoolExecutor(min(len(passes), usable_cores())) as pool:
-        made = pool.map(lambda fn: pass_timer(model, fn, context=CONTEXT, repeats=REPEATS), passes.values())
+        made = pool.map(lambda fn: pass_timer(model, fn, context=CONTEXT, repeats=REPEATS, rows=rows), passes.values())
         timers = dict(zip(passes, made))
     rounds = {name: [] for name in timers}
     for _ in range(ROUNDS):
@@ -235,7 +235,7 @@ def release() -> str:
         return "source"
 
 
-def cache_file(model: Model):
+def cache_file(model: Model, rows: int = 1):
     c = model.config
     drafter = {"skip": c.draft_skip, "gamma": c.draft_gamma, "lora_rank": c.draft_lora_rank, "draft_vocab": c.draft_vocab_size}
     fields = {"machine": machine(), "model": c.replace(draft_skip=None, draft_gamma=None, draft_lora_rank=0, draft_vocab_size=0,
@@ -245,29 +245,43 @@ def cache_file(model: Model):
     mesh = sharding.mesh_shape(model.params)
     if mesh:  # a model split over devices has costs of its own
         fields["mesh"] = mesh
+    if rows != 1:  # and so does a batch (a server's occupancy)
+        fields["rows"] = rows
     key = json.dumps(fields, sort_keys=True, default=str)
     return cache_root() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
-def calibrate(model: Model, force: bool = True, quiet: bool = False) -> PassCosts:
-    """The model's pass costs on this machine: measured now (`force`, the default), or read from the
-    cache when an earlier calibration of the same machine and model left them there."""
+def calibrate(model: Model, force: bool = True, quiet: bool = False, rows: int = 1) -> PassCosts:
+    """The model's pass costs on this machine, each pass over a batch of `rows` rows: measured now
+    (`force`, the default), or read from the cache when an earlier calibration of the same machine,
+    model and batch left them there."""
     if not isinstance(model, Model):
         raise TypeError(f"calibrate needs a Model from s3d_jax.load, got {type(model).__name__}")
+    path = cache_file(model, rows)
+    known = None if force else _read(path)
+    return known if _still_good(known, path) else _measure(model, path, known, quiet, rows)
+
+
+def _still_good(known: PassCosts | None, path) -> bool:
+    """Whether cached costs stand: costs measured on a busy machine are measured again by the next
+    `S3D_JAX_CALIBRATE_TRIES` processes that need them."""
+    tries = env_setting(ENV_TRIES, BUSY_TRIES, 1)
+    return known is not None and not (known.busy and known.tries < tries and path not in measured_here)
+
+
+def _measure(model: Model, path, known: PassCosts | None, quiet: bool, rows: int) -> PassCosts:
+    """Times the passes, writes them to `path` and returns them; `known` is what the file held."""
     c = model.config
     if c.draft_skip is None or c.mask_token_id is None:
         raise ValueError("calibration times S3D's draft pass: the model needs a mask row and a drafter (s3d_jax.load(..., drafter=...))")
-    path = cache_file(model)
-    known = None if force else _read(path)
     tries = env_setting(ENV_TRIES, BUSY_TRIES, 1)
-    if known is not None and not (known.busy and known.tries < tries and path not in measured_here):
-        return known
     if not quiet:
-        print("s3d_jax: calibrating pass costs for this machine and model (once; S3D_JAX_CALIBRATE=0 skips) ...", file=sys.stderr)
+        batch = f", batches of {rows}" if rows != 1 else ""
+        print(f"s3d_jax: calibrating pass costs for this machine and model{batch} (once; S3D_JAX_CALIBRATE=0 skips) ...", file=sys.stderr)
     start = time.perf_counter()
     gamma = c.draft_gamma or DEFAULT_GAMMA
     with other_load() as load:
-        rounds = time_passes(model, gamma)
+        rounds = time_passes(model, gamma, rows)
     fastest = {name: min(ms) for name, ms in rounds.items()}
     steps = rounds["step"]
     # On an accelerator the passes run on the device, and the host's other work (its driver's
@@ -315,28 +329,31 @@ def _read(path) -> PassCosts | None:
     return costs
 
 
-def costs_for(model: Model) -> tuple[PassCosts | None, str]:
-    """The costs decode's drafting policy uses, and where they came from: the model's own
-    (`model.costs`), else this machine's cached ones, else measured now; none with `S3D_JAX_CALIBRATE=0`."""
+def costs_for(model: Model, rows: int = 1) -> tuple[PassCosts | None, str]:
+    """The costs the drafting policy of a batch of `rows` uses, and where they came from: the model's
+    own (`model.costs`, at every batch), else this machine's cached ones, else measured now; none with
+    `S3D_JAX_CALIBRATE=0`."""
     if model.costs is not None:
         return model.costs, "the model's given costs"
     if not switched_on():
         return None, f"{ENV_SWITCH}=0"
-    cached = _read(cache_file(model))
-    costs = calibrate(model, force=False)
-    return costs, "costs cached for this machine" if costs is cached else "costs measured now"
+    path = cache_file(model, rows)
+    known = _read(path)
+    if _still_good(known, path):
+        return known, "costs cached for this machine"
+    return _measure(model, path, known, False, rows), "costs measured now"
 
 
 _policies: dict = {}  # id(profile) -> (profile, the costs, the policy they chose): replaying a profile takes tens of ms
 
 
-def drafting_policy(model: Model) -> tuple[Policy | None, str]:
-    """The policy that the model's pass costs (`costs_for`) and its drafter's acceptance profile choose,
-    once per process for the same costs and profile, and where the costs came from; None, and why,
-    without a profile or costs."""
+def drafting_policy(model: Model, rows: int = 1) -> tuple[Policy | None, str]:
+    """The policy that the model's pass costs over `rows` rows (`costs_for`) and its drafter's
+    acceptance profile choose, once per process for the same costs and profile, and where the costs
+    came from; None, and why, without a profile or costs."""
     if model.profile is None:
         return None, "the drafter has no acceptance profile"
-    costs, source = costs_for(model)
+    costs, source = costs_for(model, rows)
     if costs is None:
         return None, source
     known = _policies.get(id(model.profile))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import json
@@ -32,7 +31,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from safetensors.numpy import save_file
 
-from s3d_jax import quant, sharding
+from s3d_jax import cpu, quant, sharding
 from s3d_jax.config import DTYPES, ConfigError, ModelConfig
 from s3d_jax.model import abstract_params
 from s3d_jax.quant import cast_dtype, cast_params
@@ -117,31 +116,13 @@ class _StreamingWriter(ocp.type_handlers.NumpyHandler):
             async with self._step:  # every stack finishes layer i before any makes layer i + 1
                 self._written[i] += 1
                 if self._written[i] == self._stacks:
-                    _return_freed_memory()
+                    # A layer's arrays come from the C heap, and each thread's heap keeps what they free:
+                    # without this a conversion's resident memory grows by about half of each layer it writes.
+                    cpu.release_freed_memory()
                 self._step.notify_all()
                 await self._step.wait_for(lambda i=i: self.error is not None or self._written[i] == self._stacks)
             if self.error is not None:
                 return
-
-
-def _return_freed_memory() -> None:
-    """Hands memory freed in the C heap back to the system (glibc's `malloc_trim`, where it exists).
-    Arrays of a few MB, a layer's weights, come from the heap and not from a mapping of their own,
-    and each thread's heap keeps what they free: without this, a conversion's resident memory grows
-    by about half of each layer it writes."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _glibc():
-    try:
-        libc = ctypes.CDLL(None)
-    except (OSError, TypeError):  # no C library to open by that name (Windows)
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None
-
-
-_LIBC = _glibc()
 
 
 def _save_params(path: Path, params) -> None:

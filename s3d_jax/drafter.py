@@ -149,6 +149,13 @@ def save(path: str | os.PathLike, drafter: Drafter) -> Path:
     return path
 
 
+def ship(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """A trained drafter file (its profile measured) written as it ships with the package: its adapters
+    in `DECODE_DTYPE`, to which `apply` casts them on loading anyway, so the file is half the size and
+    decodes the same. Training resumes from the run's own float32 file, not this one."""
+    return save(dst, load_file(src, DECODE_DTYPE))
+
+
 def load_file(path: str | os.PathLike, adapter_dtype=None) -> Drafter:
     """The drafter in a file; its adapters cast to `adapter_dtype` one at a time as they are read, if given."""
     path = Path(path)

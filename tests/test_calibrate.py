@@ -156,7 +156,7 @@ def test_predict_shape_prints_costs_and_the_policy(monkeypatch, capsys):
 
 def rounds(step=(10.0,) * 4, other=12.0):
     """Injected `time_passes`: each pass's milliseconds in each of four rounds."""
-    return lambda model, gamma: {"step": list(step), "verify": [other] * 4, "draft": [5.0] * 4,
+    return lambda model, gamma, rows=1: {"step": list(step), "verify": [other] * 4, "draft": [5.0] * 4,
                                  **{n: [other + n] * 4 for n in calibration.TREE_SIZES}}
 
 

@@ -213,9 +213,11 @@ def _target_joint(model, prompt, sampling, depth=3):
         ("s3d", dict(temperature=1.0)),
         ("s3d", dict(temperature=0.8, top_k=4, top_p=0.9)),
         ("selfspec", dict(temperature=1.0)),
-        ("s3d", dict(temperature=1.0, tree=4)),
-        ("s3d", dict(temperature=0.8, top_k=4, top_p=0.9, tree=3)),
-        ("s3d", dict(temperature=1.0, tree=3, lookup=False)),
+        ("s3d", dict(temperature=1.0, tree=4, min_certainty=0.0)),  # a tree at every iteration
+        ("s3d", dict(temperature=0.8, top_k=4, top_p=0.9, tree=3, min_certainty=0.0)),
+        ("s3d", dict(temperature=1.0, tree=3, lookup=False, min_certainty=0.0)),
+        # The gate: plain steps where the verifier was unsure of x_n.
+        ("s3d", dict(temperature=0.7, top_p=0.9, tree=3, min_certainty=0.6)),
     ],
 )
 def test_speculative_sampling_is_lossless(method, sampling):
@@ -227,7 +229,7 @@ def test_speculative_sampling_is_lossless(method, sampling):
     prompt = [1, 3, 2]
     n = 6000
     out = s3d_jax.decode(model, [prompt] * n, method=method, gamma=2, skip=(2, 3), max_new_tokens=3, eos_token_ids=(), seed=11, **sampling)
-    target = _target_joint(model, prompt, Sampling(**{k: v for k, v in sampling.items() if k not in ("tree", "lookup")}))
+    target = _target_joint(model, prompt, Sampling(**{k: v for k, v in sampling.items() if k not in ("tree", "lookup", "min_certainty")}))
     counts = {}
     for row in out.tokens:
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1

@@ -74,6 +74,18 @@ def test_round_trip_restores_adapters_mask_row_and_defaults(tmp_path):
     np.testing.assert_array_equal(np.asarray(applied.params["draft_vocab"]), np.sort(_ranking(base.config)[:40]))
 
 
+def test_a_shipped_file_holds_the_adapters_as_decoding_reads_them_and_decodes_the_same(tmp_path):
+    base, _, path = _file(tmp_path, draft_vocab_size=40)
+    shipped = drafter.ship(path, tmp_path / "shipped.safetensors")
+    assert shipped.stat().st_size < 0.75 * path.stat().st_size
+    with safe_open(str(shipped), framework="np") as f:
+        assert {str(f.get_tensor(k).dtype) for k in f.keys() if k.startswith("lora/")} == {drafter.DECODE_DTYPE}
+    a, b = drafter.apply(base, path), drafter.apply(base, shipped)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert (a.config, a.profile) == (b.config, b.profile)
+
+
 def test_verifier_is_bit_identical_and_decoding_exact(tmp_path):
     base, _, path = _file(tmp_path, draft_vocab_size=32)
     ids = np.random.default_rng(0).integers(0, 95, (2, 12))

@@ -221,7 +221,7 @@ def test_the_gate_replay_visits_what_decoding_does(monkeypatch):
     learned_kinds = []
     for gate in (0.0, middle):
         # Without the context branch, which this reply's repetitions would take nearly everywhere.
-        monkeypatch.setattr(calibration, "drafting_policy", lambda m, gate=gate: (Policy(4, gate, False, 1.0, costs), "given"))
+        monkeypatch.setattr(calibration, "drafting_policy", lambda m, rows=1, gate=gate: (Policy(4, gate, False, 1.0, costs), "given"))
         out = s3d_jax.decode(model, prompt, max_new_tokens=24, eos_token_ids=())
         assert out.tokens == reply and out.stats.drafted_cost == 3.0 and out.stats.min_certainty == gate
         stats = out.stats

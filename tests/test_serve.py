@@ -3,6 +3,7 @@ started as a subprocess on a tiny random model that has the bundled tokenizer.""
 
 import concurrent.futures
 import functools
+import json
 import signal
 import socket
 import subprocess
@@ -17,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from reference import tiny_chat_model
 
 import s3d_jax
-from s3d_jax import checkpoint, decoding
+from s3d_jax import checkpoint, decoding, planning
+from s3d_jax.options import DecodeOptions
 from s3d_jax.serve import engine as engine_module
 from s3d_jax.serve.app import create_app
 from s3d_jax.serve.engine import Engine, Lane, Request
@@ -53,7 +55,7 @@ def start_server(model_dir, *extra) -> tuple[subprocess.Popen, str]:
                "--max-queue", str(QUEUE), "--max-len", str(MAX_LEN), "--max-new-tokens", "24", *extra]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600  # compiling every batch and cache size, on a machine that other tests share
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise AssertionError(f"the server exited with {server.returncode}:\n{server.stdout.read()}")
@@ -118,6 +120,13 @@ def test_stream_ends_with_usage_and_done(server):
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and '"usage"' in events[-2] and '"completion_tokens": 5' in events[-2]
+    # How its iterations went: the first token comes from the prefill, the other 4 from drafted iterations or plain steps.
+    counts = json.loads(events[-2][len("data: "):])["usage"]["s3d"]
+    assert 1 <= counts["drafted_iterations"] + counts["plain_iterations"] <= 4, counts
+    lanes = metrics(server)
+    assert lanes[("s3d_lane_rows", (("lane", "temperature=0,top_p=1"),))] >= 1
+    in_force = [labels for (name, labels), value in lanes.items() if name == "s3d_lane_plan" and value == 1]
+    assert len(in_force) == 1 and dict(in_force[0])["plan"].startswith("s3d"), in_force
 
 
 def test_concurrent_greedy_requests_each_equal_the_request_alone(server):
@@ -281,6 +290,88 @@ def test_a_lane_s_cache_grows_and_shrinks_with_its_requests_and_outputs_stay_exa
     for question, new_tokens, (tokens, finish) in asked:
         alone = s3d_jax.decode(model, model.tokenizer.encode(question), method="ar", max_new_tokens=new_tokens)
         assert tokens == alone.tokens and finish == "length", question
+
+
+def test_the_loop_runs_at_the_busy_rows_and_moving_rows_changes_no_token(monkeypatch):
+    """Three requests at once grow the batch from 1 to 2 to 3 rows; once the two short ones finish, the
+    long one, in the last row, moves to a batch of one. Every reply is greedy decoding's for that prompt
+    alone, and nothing compiles after start-up."""
+    monkeypatch.setattr(engine_module, "MIN_CAPACITY", 128)  # one cache size: only the batch changes
+    original, batches = Lane.regroup, []
+
+    def record(self, rows):
+        if rows != len(self.requests):
+            batches.append(rows)
+        original(self, rows)
+
+    monkeypatch.setattr(Lane, "regroup", record)
+    model = chat_model()
+    engine = Engine(model, slots=3, max_len=128)
+    engine.start()
+    compiled = (decoding.compile_count(), len(engine.executables))
+    asked = [(QUESTIONS[0], 4), (QUESTIONS[1], 4), (QUESTIONS[2], 40)]
+    replies = [concurrent.futures.Future() for _ in asked]
+
+    def deliver_to(reply, tokens):
+        def deliver(delta):
+            tokens.extend(delta.token_ids)
+            if delta.finish_reason:
+                reply.set_result(tokens)
+        return deliver
+
+    with engine._cond:  # all three waiting before the engine's thread admits any
+        for (question, new_tokens), reply in zip(asked, replies):
+            engine.waiting.append(Request(model.tokenizer.encode(question), new_tokens, deliver_to(reply, [])))
+        engine._cond.notify()
+    try:
+        got = [reply.result(300) for reply in replies]
+    finally:
+        engine.stop()
+    assert batches == [2, 3, 1], batches
+    assert (decoding.compile_count(), len(engine.executables)) == compiled
+    for (question, new_tokens), tokens in zip(asked, got):
+        assert tokens == s3d_jax.decode(model, model.tokenizer.encode(question), method="ar", max_new_tokens=new_tokens).tokens
+
+
+def test_each_batch_size_runs_its_own_plan_and_a_request_moves_between_them_exactly(monkeypatch):
+    """A drafting policy per occupancy: a lane whose batch of one drafts a tree and whose batches of two
+    and three take plain steps. A long request starts alone (drafting), a short one joins (plain steps
+    for both), and the long one returns to a batch of one only after SHRINK_AFTER chunks that it fits.
+    Its reply is greedy decoding's alone, and its counts hold both kinds of iteration."""
+    monkeypatch.setattr(engine_module, "MIN_CAPACITY", 128)
+    model = chat_model()
+    drafting = planning.plan_for(model.config, DecodeOptions(method="s3d", min_certainty=0.0, tree=4))
+    plain = planning.plan_for(model.config, DecodeOptions(method="ar"))
+    lane = Lane(model, {1: drafting, 2: plain, 3: plain}, 3, 128, (), {})
+    batches, finished, finished_at = [], {}, {}
+
+    def admit(request):
+        slot = lane.free_slot()
+        lane.insert(request, lane.prefill(request), slot)
+
+    def chunk():
+        tokens, generated, done, counts = lane.advance(2)
+        batches.append((len(lane.requests), lane.plan.method))
+        for slot in lane.active:
+            if done[slot]:
+                request = lane.requests[slot]
+                request.bank(*counts[slot])
+                finished[id(request)] = tokens[slot, len(request.prompt_ids) : len(request.prompt_ids) + generated[slot]].tolist()
+                finished_at[id(request)] = len(batches) - 1
+                lane.free(slot)
+
+    long, short = (Request(model.tokenizer.encode(q), n, lambda delta: None) for q, n in ((QUESTIONS[3], 36), (QUESTIONS[4], 3)))
+    admit(long)
+    chunk()
+    admit(short)
+    while id(long) not in finished:
+        chunk()
+    kinds = [b for i, b in enumerate(batches) if i == 0 or b != batches[i - 1]]
+    assert kinds == [(1, "s3d"), (2, "ar"), (1, "s3d")], batches
+    shrunk_at = batches.index((1, "s3d"), 1)
+    assert shrunk_at - finished_at[id(short)] == engine_module.SHRINK_AFTER, batches  # not the chunk after the short one left
+    assert finished[id(long)] == s3d_jax.decode(model, long.prompt_ids, method="ar", max_new_tokens=36, eos_token_ids=()).tokens
+    assert long.accepted.sum() > 0 and long.plain_steps > 0
 
 
 def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(monkeypatch):

@@ -156,7 +156,7 @@ def test_top_k_of_any_rank_equals_lax_top_k():
 # ---------------------------------------------------------------- the drafter's default tree
 
 
-def test_a_drafter_default_tree_is_used_for_greedy_s3d_only(model):
+def test_a_drafter_default_tree_is_used_for_s3d_greedy_or_sampled(model):
     drafted = s3d_jax.Model(model.params, model.config.replace(draft_skip=(2, 3), draft_gamma=3, draft_tree=6))
 
     def plan(**options):
@@ -164,7 +164,7 @@ def test_a_drafter_default_tree_is_used_for_greedy_s3d_only(model):
 
     assert plan().tree == 6
     assert plan(tree=0).tree == 0 and plan(tree=9).tree == 9, "an explicit size wins; 0 is the chain"
-    assert plan(temperature=0.7).tree == 0, "the default tree is for greedy S3D; sampling drafts the chain"
+    assert plan(temperature=0.7).tree == 6, "sampling drafts the tree too (accepted where a sample matches a node)"
     assert plan(temperature=0.7, tree=5).tree == 5, "an explicit tree samples too"
     assert plan(method="selfspec").tree == 0 and plan(method="ar").tree == 0
     out = s3d_jax.decode(drafted, [1, 2, 3], max_new_tokens=12, eos_token_ids=())
@@ -368,10 +368,10 @@ def test_plain_steps_keep_decoding_exact_and_are_reported(model):
     assert 0 < sum(mixed.stats.plain_steps) and 0 < sum(mixed.stats.iterations)
 
 
-def test_the_default_min_certainty_is_for_greedy_trees(model):
+def test_the_default_min_certainty_is_for_every_tree(model):
     plan = lambda **options: planning.plan_for(model.config, s3d_jax.DecodeOptions(**options))  # noqa: E731
     assert plan(tree=4).min_certainty == s3d_jax.options.DEFAULT_MIN_CERTAINTY
-    assert plan(tree=4, temperature=0.7).min_certainty == 0.0, "sampling drafts at every iteration unless asked"
+    assert plan(tree=4, temperature=0.7).min_certainty == s3d_jax.options.DEFAULT_MIN_CERTAINTY, "sampled trees are gated too"
     assert plan(tree=4, min_certainty=0.25).min_certainty == 0.25
     assert plan(tree=0).min_certainty == 0.0
 

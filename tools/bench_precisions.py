@@ -6,7 +6,7 @@ and how often each precision's greedy tokens agree with float32's.
     python tools/bench_precisions.py --llama-cpp                         # and llama.cpp at each precision
 
 With --llama-cpp (the optional extra llama-cpp-python), llama.cpp decodes the same prompts greedily
-from the bundled GGUF at the same precision: the shipped Q4_1 file for int4, and for the others a
+from the model's GGUF at the same precision: the shipped file for int4, and for the others a
 copy of it made with the `gguf` package (Q8_0 for int8, BF16, F32), cached beside the converted models.
 
 Every engine (precision x method) runs in a process of its own (`s3d_jax.bench.harness`), so its peak
@@ -57,15 +57,16 @@ def parse_args(argv=None):
     return args
 
 
-# llama.cpp's block type at each precision: the bundled GGUF is Q4_1; the others are copies of it.
-GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
+# llama.cpp's block type at each precision: int4 is the model's own GGUF (the bundled SmolLM2's is
+# Q4_1, Qwen2.5-Coder's Q4_K_M); the others are copies of it.
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "shipped"}
 
 
-def gguf_for(dtype: str) -> str:
-    shipped = bundled.gguf_path()
-    if GGUF_TYPES[dtype] == "Q4_1":
+def gguf_for(dtype: str, model: str | None) -> str:
+    shipped = bundled.gguf_path(model)
+    if GGUF_TYPES[dtype] == "shipped":
         return str(shipped)
-    return llama_cpp_peer.requantized_gguf(shipped, cache_root() / f"{shipped.stem.rsplit('.', 1)[0]}.{GGUF_TYPES[dtype]}.gguf",
+    return llama_cpp_peer.requantized_gguf(shipped, cache_root() / f"{bundled.named(model).title}.{GGUF_TYPES[dtype]}.gguf",
                                            GGUF_TYPES[dtype])
 
 
@@ -167,7 +168,8 @@ def main(argv=None) -> int:
             results.setdefault(dtype, {})[method] = harness.run_engine(["-m", "s3d_jax.bench.methods"], request)
         if args.llama_cpp:
             print(f"running llama.cpp on the {GGUF_TYPES[dtype]} GGUF ...", file=sys.stderr, flush=True)
-            request = {"gguf": gguf_for(dtype), "tokenizer": str(bundled.ensure_converted()), "prompts": prompts,
+            request = {"gguf": gguf_for(dtype, args.model), "tokenizer": str(bundled.ensure_converted(model=bundled.named(args.model))),
+                       "prompts": prompts,
                        "max_new_tokens": args.max_new_tokens, "lookup": False, "stop_at_eos": True}
             results[dtype]["llama_cpp"] = harness.run_engine(["-m", "s3d_jax.bench.llama_cpp_peer"], request)
     rows = summarize(results)

@@ -1,7 +1,8 @@
 """The server under load: concurrent streaming clients on MT-Bench prompts, S3D against plain decoding
 at each concurrency, and llama.cpp's own OpenAI server on the same GGUF where llama-cpp-python is installed.
 
-    python tools/bench_serve.py [--concurrency 1,4,8,16,64] [--requests 16] [--max-tokens 128] [--max-queue 16] [--llama-cpp]
+    python tools/bench_serve.py [--concurrency 1,4,8,16,64] [--requests 16] [--max-tokens 128] [--max-queue 16] \
+        [--dtypes float32,int4] [--llama-cpp]
 
 Each engine runs as its own server process, started here on a free port and measured alone. Per
 concurrency: aggregate generated tokens/s over the wall time, and per request the time to first
@@ -69,14 +70,17 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, give_up_afte
                     time.sleep(float(response.headers.get("Retry-After", 1)))
                     continue
                 response.raise_for_status()
+                usage, pieces = None, 0
                 for line in response.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    if first is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-                        first = time.perf_counter()
+                    usage = chunk.get("usage") or usage
+                    if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                        pieces += 1
+                        first = first or time.perf_counter()
+                # llama-cpp-python's server sends no usage when streaming; it streams one token per chunk.
+                tokens = usage["completion_tokens"] if usage else pieces
         except httpx.HTTPError as e:
             return {"lost": f"{type(e).__name__}: {e}", "refused": refused}
         end = time.perf_counter()
@@ -121,11 +125,15 @@ def engines(args) -> dict[str, list[str]]:
     serve = [sys.executable, "-m", "s3d_jax.serve", "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
              "--max-len", str(args.max_len),
              "--served-model-name", "model"] + (["--model", args.model] if args.model else [])
-    found = {f"s3d_jax {m}": [*serve, "--method", m] for m in args.methods.split(",")}
+    found = {}
+    for dtype in args.dtypes.split(","):
+        for method in args.methods.split(","):
+            found[f"s3d_jax {method}" + (f" {dtype}" if dtype != "float32" else "")] = [*serve, "--method", method, "--dtype", dtype]
     if args.llama_cpp:
         gguf = args.gguf or str(bundled.gguf_path())
+        # One request at a time, each to its end: by default a new request interrupts the one streaming.
         found["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", "model",
-                              "--n_ctx", str(args.max_len), "--n_threads", str(os.cpu_count())]
+                              "--n_ctx", str(args.max_len), "--n_threads", str(os.cpu_count()), "--interrupt_requests", "False"]
     return found
 
 
@@ -133,6 +141,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="converted model directory (default: the bundled SmolLM2)")
     p.add_argument("--methods", default="ar,s3d")
+    p.add_argument("--dtypes", default="float32", help="the s3d_jax servers' weights, for example float32,int4")
     p.add_argument("--concurrency", default="1,4,8,16,64")
     p.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least the concurrency)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -180,10 +189,12 @@ def main(argv=None) -> int:
 
 
 def render(results: dict[str, list[dict]]) -> str:
-    plain = {r["concurrency"]: r["tokens_per_s"] for r in results.get("s3d_jax ar", [])}
     lines = ["| engine | clients | tokens/s | vs plain | TTFT p50 / p95 ms | TPOT p50 / p95 ms | refusals retried | lost |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, rows in results.items():
+        # Against plain decoding at the same weights (llama.cpp against float32's).
+        dtype = name.split(" ")[2] if name.startswith("s3d_jax") and name.count(" ") == 2 else ""
+        plain = {r["concurrency"]: r["tokens_per_s"] for r in results.get(f"s3d_jax ar {dtype}".strip(), [])}
         for r in rows:
             ratio = f"{r['tokens_per_s'] / plain[r['concurrency']]:.2f}x" if r["concurrency"] in plain else "-"
             lines.append(f"| {name} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {ratio} | {r['ttft_p50_ms']:.0f} / "

@@ -44,8 +44,9 @@ def main(argv=None) -> int:
     try:
         import uvicorn
 
+        from s3d_jax.sampling import Sampling
         from s3d_jax.serve.app import Defaults, create_app
-        from s3d_jax.serve.engine import Engine
+        from s3d_jax.serve.engine import Engine, row_buckets
 
         decode_options = options.DecodeOptions.from_args(args)  # checked before the model loads
         if args.max_queue < 0:
@@ -57,8 +58,13 @@ def main(argv=None) -> int:
         max_len = args.max_len or min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)  # a larger one is refused
         engine = Engine(model, decode_options, slots=args.max_batch, max_len=max_len, max_queue=args.max_queue,
                         chunk_iterations=args.chunk, max_lanes=args.max_lanes)
-        print(f"s3d_jax.serve: compiling the decode loop for {args.max_batch} slots of {max_len} positions ...", file=sys.stderr)
+        batches = ", ".join(map(str, row_buckets(args.max_batch)))
+        print(f"s3d_jax.serve: compiling the decode loop for batches of {batches} rows and caches up to {max_len} positions ...",
+              file=sys.stderr)
         engine.start()
+        for rows, why in sorted(engine.lane(Sampling()).policies.items()):
+            if why:
+                print(f"s3d_jax.serve: {rows} busy: {why}", file=sys.stderr)
         defaults = Defaults(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         # uvicorn finishes the requests in flight on SIGTERM, then raises the signal again: end with 0, not killed.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

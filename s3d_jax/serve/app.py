@@ -186,7 +186,7 @@ async def _complete(engine: Engine, model_name: str, defaults: Defaults, body: p
         request.cancelled.set()  # a no-op once finished; else (a disconnect) the engine frees the slot at its next chunk
     if last.error:
         raise Refused(500, last.error, "server_error", counted=True)
-    return reply.whole(text, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+    return reply.whole(text, last)
 
 
 async def _stream(request: Request, deltas: asyncio.Queue, reply: protocol.Reply, include_usage: bool):
@@ -207,7 +207,7 @@ async def _stream(request: Request, deltas: asyncio.Queue, reply: protocol.Reply
             if delta.finish_reason:
                 yield event(reply.chunk("", delta.finish_reason))
                 if include_usage:
-                    yield event(reply.usage_chunk(delta.prompt_tokens, delta.completion_tokens))
+                    yield event(reply.usage_chunk(delta))
                 break
         yield "data: [DONE]\n\n"
     finally:
@@ -277,6 +277,18 @@ class _Collector:
         busy, slots = engine.occupancy()
         yield GaugeMetricFamily("s3d_queue_depth", "Requests waiting for a slot", value=len(engine.waiting))
         yield GaugeMetricFamily("s3d_batch_occupancy", "Busy slots over all slots", value=busy / slots)
+        rows = GaugeMetricFamily("s3d_lane_rows", "Rows each lane's loop runs at now (its batch size)", labels=["lane"])
+        plans = GaugeMetricFamily("s3d_lane_plan", "Each lane's plan at each batch size, and what chose it (1: in force now)",
+                                  labels=["lane", "rows", "plan", "chosen_by"])
+        for sampling, lane in list(engine.lanes.items()):
+            name = f"temperature={sampling.temperature:g},top_p={sampling.top_p:g}"
+            rows.add_metric([name], len(lane.requests))
+            for batch, plan in lane.plans.items():
+                what = "plain steps" if plan.method == "ar" else f"{plan.method} gamma={plan.gamma} tree={plan.tree} " \
+                       f"lookup={plan.lookup} min_certainty={plan.min_certainty:g}"
+                plans.add_metric([name, str(batch), what, lane.policies.get(batch, "")], float(batch == len(lane.requests)))
+        yield rows
+        yield plans
         histogram = totals.accept_histogram
         drafted = histogram is not None and histogram.sum() > 0
         yield GaugeMetricFamily("s3d_tokens_per_iteration", "E: tokens per drafted iteration of finished requests",

@@ -1,12 +1,13 @@
-"""Continuous batching: one decode loop over a fixed batch of slots, shared by many requests.
+"""Continuous batching: one decode loop over the busy requests' rows, shared by many requests.
 
-A lane is one compiled loop (`decoding.advance`) over `slots` rows of one sampling setting. An empty
-slot is a finished row, which every iteration leaves unchanged. Between chunks of iterations the
-engine's thread reads back each row's tokens, hands new text to its request, frees the slots of
-finished or abandoned requests, and prefills waiting requests into free slots: a prompt runs alone
+A lane is one compiled loop (`decoding.advance`) over up to `slots` rows of one sampling setting. An
+empty slot is a finished row, which every iteration leaves unchanged. Between chunks of iterations the
+engine's thread reads back each row's tokens, hands new text to its request, frees the rows of
+finished or abandoned requests, and prefills waiting requests into free rows: a prompt runs alone
 through the full model (compiled once per prompt-length bucket) and its row is written into the
-lane's state in place. The lane's cache is sized to its requests (`Lane`); every size of loop,
-insertion and resize is compiled at start-up, so nothing compiles while requests run.
+lane's state in place. The lane's batch is sized to its busy requests and its cache to their lengths
+(`Lane`); every size of loop, insertion, move and resize is compiled at start-up, so nothing compiles
+while requests run.
 
 A row's tokens do not depend on its neighbours: every kind of iteration the batch takes is exact, so a
 greedy request decodes to what it would alone. Sampling settings are static in the compiled loop, so
@@ -48,6 +49,8 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    drafted_iterations: int = 0  # at the end: the request's loop iterations that verified drafts, and those that took a plain step
+    plain_iterations: int = 0
 
 
 @dataclasses.dataclass
@@ -65,6 +68,15 @@ class Request:
     # The engine's bookkeeping.
     tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
     sent_text: str = ""
+    # Its loop counts from the batches it left (`Lane.regroup`): iterations by drafts accepted, and plain steps.
+    accepted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    plain_steps: int = 0
+
+    def bank(self, accepted: np.ndarray, plain_steps: int) -> None:
+        """Adds loop counts of this request's row to those it holds."""
+        width = max(len(self.accepted), len(accepted))
+        self.accepted = np.pad(self.accepted, (0, width - len(self.accepted))) + np.pad(accepted, (0, width - len(accepted)))
+        self.plain_steps += int(plain_steps)
 
     @property
     def sampling(self) -> Sampling:
@@ -84,11 +96,9 @@ def _resized(state: decoding.DecodeState, max_len: int) -> decoding.DecodeState:
 
 
 def _insert(state: decoding.DecodeState, row: decoding.DecodeState, slot, reseed: bool) -> decoding.DecodeState:
-    """`state` with slot `slot` replaced by the one-row state `row` (prefilled with room for its prompt
-    only); `reseed` takes the row's random key (a lane with no other request), so that a seeded request
-    alone is reproducible."""
-    row = _resized(row, state.tokens.shape[1])
-
+    """`state` with slot `slot` replaced by the one-row state `row` (prefilled, then fitted to the
+    state's cache with `_resized`); `reseed` takes the row's random key (a lane with no other request),
+    so that a seeded request alone is reproducible."""
     def put(full, one, axis=0):
         return jax.lax.dynamic_update_slice_in_dim(full, one.astype(full.dtype), slot, axis=axis)
 
@@ -96,45 +106,84 @@ def _insert(state: decoding.DecodeState, row: decoding.DecodeState, slot, reseed
     full, one = state.cache, row.cache  # the layer stacks' rows are their second axis
     rows["cache"] = full.replace(keys=put(full.keys, one.keys, 1), values=put(full.values, one.values, 1),
                                  lengths=put(full.lengths, one.lengths))
-    return state.replace(rng=row.rng if reseed else state.rng, **rows)
+    return state.replace(rng=jax.lax.cond(reseed, lambda: row.rng, lambda: state.rng), **rows)
 
 
 def _free(state: decoding.DecodeState, slot) -> decoding.DecodeState:
     return state.replace(done=state.done.at[slot].set(True))
 
 
-_insert_jit = jax.jit(_insert, static_argnames="reseed", donate_argnames="state")
+def _regroup(state: decoding.DecodeState, picks, live, reach: int) -> decoding.DecodeState:
+    """The rows `picks` of `state`, in that order, as a state of `len(picks)` rows: one gather per field.
+    A row where `live` is False is a copy marked finished, an empty slot that no iteration changes. The
+    loop counts start again, for a plan that verifies up to `reach` drafts (the caller banked them)."""
+    rows = {f: jax.tree.map(lambda x: jnp.take(x, picks, axis=0), getattr(state, f))
+            for f in decoding.DecodeState.row_fields() if f not in ("cache", "stats")}
+    rows["done"] = rows["done"] | ~live
+    rows["stats"] = decoding.LoopStats.zeros(len(picks), reach)
+    cache = state.cache  # the layer stacks' rows are their second axis
+    rows["cache"] = cache.replace(keys=jnp.take(cache.keys, picks, axis=1), values=jnp.take(cache.values, picks, axis=1),
+                                  lengths=jnp.take(cache.lengths, picks))
+    return state.replace(**rows)
+
+
+_insert_jit = jax.jit(_insert, donate_argnames="state")
 _free_jit = jax.jit(_free, donate_argnames="state")
 _resized_jit = jax.jit(_resized, static_argnames="max_len")  # not donated: the result has another shape
+_regroup_jit = jax.jit(_regroup, static_argnames="reach")  # nor this one
+
+
+def row_buckets(slots: int) -> tuple[int, ...]:
+    """The batch sizes a lane's loop runs at: powers of two below `slots`, then `slots`."""
+    return (*(1 << n for n in range(max(slots - 1, 0).bit_length()) if 1 << n < slots), slots)
 
 # The smallest cache a lane runs with. Each size is one more compiled loop; below this a step's
 # attention costs little next to its weights.
 MIN_CAPACITY = 256
+# Chunks in a row whose busy requests fit a smaller batch before the lane moves to it: a lane grows at
+# once (a request needs the row) and shrinks late, so that occupancy at a threshold switches rarely.
+SHRINK_AFTER = 4
 
 
 class Lane:
-    """`slots` rows of one plan in one donated loop state, and the request in each slot.
+    """Up to `slots` rows of one plan in one donated loop state, and the request in each row.
 
-    The loop's attention reads every position of the cache it runs with, so a lane runs with the
-    smallest cache (a power of two from MIN_CAPACITY up to `max_len`) that holds every request it
-    serves, prompt, reply and draft block: it grows when a longer request comes in and shrinks when
-    the longest leaves. Each size compiles its loop once."""
+    Idle rows cost nothing: the loop runs at the smallest batch of `row_buckets(slots)` that holds its
+    busy requests. A request that finds every row busy grows the batch to the next size, and when
+    requests leave, the others move to the first rows of a smaller one (`_regroup`, one gather; no
+    row's tokens change). And since the loop's attention reads every position of the cache it runs
+    with, a lane runs with the smallest cache (a power of two from MIN_CAPACITY up to `max_len`) that
+    holds every request it serves, prompt, reply and draft block: it grows when a longer request comes
+    in and shrinks when the longest leaves. Each batch size and cache size compiles its loop once."""
 
-    def __init__(self, model: Model, plan: Plan, slots: int, max_len: int, eos_ids: tuple[int, ...], held: dict):
-        self.model, self.plan, self.max_len, self.eos_ids = model, plan, max_len, eos_ids
+    def __init__(self, model: Model, plans: dict[int, Plan], slots: int, max_len: int, eos_ids: tuple[int, ...], held: dict,
+                 policies: dict[int, str] | None = None):
+        self.model, self.slots, self.max_len, self.eos_ids = model, slots, max_len, eos_ids
+        self.plans = plans  # the plan each batch size of `row_buckets(slots)` runs (a drafting policy per occupancy)
+        self.policies = policies or {}  # and what chose it
+        self.block = max(plan.block for plan in plans.values())
         self.held = held  # the engine's executables: `warm` compiles every one a request can need, so that none compiles on its way
-        self.requests: list[Request | None] = [None] * slots
+        self.requests: list[Request | None] = [None]  # one per row of the loop state
         self.capacity = self.capacity_for(0)
-        # Empty slots: one-token prompts with room for none, finished from the start.
-        self.run = self._run(np.zeros((slots, 1), np.int64), max_new_tokens=0, seed=0, max_len=self.capacity)
+        self.run = self._loop_run(1, self.capacity)
         self.state = self.run.start()
         self.iteration = 0
+        self.roomy_chunks = 0  # chunks in a row whose busy requests fit a smaller batch
 
-    def _run(self, prompts, max_new_tokens: int, seed: int, max_len: int) -> decoding.Run:
+    @property
+    def plan(self) -> Plan:
+        return self.plans[len(self.requests)]
+
+    def _run(self, plan: Plan, prompts, max_new_tokens: int, seed: int, max_len: int) -> decoding.Run:
         padded = np.zeros((len(prompts), min(bucket(prompts.shape[1] + 1), max_len)), np.int32)  # and the first token
         padded[:, : prompts.shape[1]] = prompts
-        return decoding.Run(self.model.params, self.model.config, self.plan, padded, np.full(len(prompts), prompts.shape[1]),
+        return decoding.Run(self.model.params, self.model.config, plan, padded, np.full(len(prompts), prompts.shape[1]),
                             max_new_tokens, self.eos_ids, seed, max_len, held=self.held)
+
+    def _loop_run(self, rows: int, capacity: int) -> decoding.Run:
+        """The loop over `rows` rows with a cache of `capacity`; its start is `rows` empty slots: one-token
+        prompts with room for none, finished from the start."""
+        return self._run(self.plans[rows], np.zeros((rows, 1), np.int64), max_new_tokens=0, seed=0, max_len=capacity)
 
     def _executable(self, fn, *args, **statics):
         """`fn` compiled for the shapes and placements of `args` (arrays or ShapeDtypeStructs), as decoding compiles."""
@@ -146,59 +195,93 @@ class Lane:
 
     def positions(self, request: Request) -> int:
         """The cache positions a request may reach: its prompt, its reply and one draft block past it."""
-        return len(request.prompt_ids) + request.max_new_tokens + self.plan.block
+        return len(request.prompt_ids) + request.max_new_tokens + self.block
+
+    def rows_for(self, requests: int) -> int:
+        return next(rows for rows in row_buckets(self.slots) if rows >= requests)
 
     def resize(self, capacity: int) -> None:
         if capacity != self.capacity:
             self.state = self._executable(_resized_jit, self.state, max_len=capacity)(self.state)
-            self.run = dataclasses.replace(self.run, max_len=capacity, executables=None)
+            self.run = self._loop_run(len(self.requests), capacity)
             self.capacity = capacity
+
+    def regroup(self, rows: int) -> None:
+        """Moves the busy requests, in order, to the first rows of a loop state of `rows` rows, which runs
+        that batch size's plan; each request banks its loop counts first."""
+        if rows == len(self.requests):
+            return
+        busy = self.active
+        counts = self._counts(*sharding.to_host((self.state.stats.accept_histogram, self.state.stats.plain_steps)))
+        for i in busy:
+            self.requests[i].bank(*counts[i])
+        picks = np.asarray([*busy, *[0] * (rows - len(busy))], np.int32)
+        live = np.arange(rows) < len(busy)
+        reach = self.plans[rows].reach
+        self.state = self._executable(_regroup_jit, self.state, picks, live, reach=reach)(self.state, picks, live)
+        self.requests = [self.requests[i] for i in busy] + [None] * (rows - len(busy))
+        self.run = self._loop_run(rows, self.capacity)
 
     def warm(self) -> None:
         """Compiles now what a request can need, so that none waits for a compile: the prefill of every
-        prompt-length bucket, the loop at every cache size, and the insertion of each bucket's row, the
-        freeing of a slot and the resizing between sizes at each."""
-        rows, length = [], 1
-        while length < self.max_len:
-            executable, _ = self._prefill_run(np.zeros((1, length), np.int64), max_new_tokens=1, seed=0)._prefill_executable()
-            rows.append(executable.out_info)
-            length = bucket(length) + 1
-        states = []
-        for capacity in sorted({self.capacity_for(1 << n) for n in range(self.max_len.bit_length() + 1)}):
-            run = dataclasses.replace(self.run, max_len=capacity, executables=None)
+        prompt-length bucket and its row's fitting to every cache size, and at every batch size and cache
+        size the loop, the insertion of a row, the freeing of a row, and the moves to every other batch
+        size and cache size."""
+        rows = collections.defaultdict(list)  # by the reach of a plan, which sizes a row's loop counts
+        for plan in {plan.reach: plan for plan in self.plans.values()}.values():
+            length = 1
+            while length < self.max_len:
+                executable, _ = self._prefill_run(np.zeros((1, length), np.int64), 1, 0, plan)._prefill_executable()
+                rows[plan.reach].append(executable.out_info)
+                length = bucket(length) + 1
+        capacities = sorted({self.capacity_for(1 << n) for n in range(self.max_len.bit_length() + 1)})
+        states = {}
+        for batch, capacity in itertools.product(row_buckets(self.slots), capacities):
+            run = self._loop_run(batch, capacity)
             run.compile()
-            states.append(run._prefill_executable()[0].out_info)
+            states[batch, capacity] = run._prefill_executable()[0].out_info
         slot = jax.ShapeDtypeStruct((), jnp.int32)
-        for state in states:
+        for (batch, capacity), state in states.items():
             self._executable(_free_jit, state, slot)
-            for row, reseed in itertools.product(rows, (False, True)):
-                self._executable(_insert_jit, state, row, slot, reseed=reseed)
-            for other in states:
-                if other is not state:
-                    self._executable(_resized_jit, state, max_len=other.tokens.shape[1])
+            fitted = [self._executable(_resized_jit, row, max_len=capacity).out_info for row in rows[self.plans[batch].reach]]
+            self._executable(_insert_jit, state, fitted[0], slot, jax.ShapeDtypeStruct((), jnp.bool_))  # one shape, fitted
+            for other_batch, other_capacity in states:
+                if other_batch == batch and other_capacity != capacity:
+                    self._executable(_resized_jit, state, max_len=other_capacity)
+                elif other_capacity == capacity and other_batch != batch:
+                    picks = jax.ShapeDtypeStruct((other_batch,), jnp.int32)
+                    self._executable(_regroup_jit, state, picks, jax.ShapeDtypeStruct((other_batch,), jnp.bool_),
+                                     reach=self.plans[other_batch].reach)
 
-    def _prefill_run(self, prompts, max_new_tokens: int, seed: int) -> decoding.Run:
+    def _prefill_run(self, prompts, max_new_tokens: int, seed: int, plan: Plan) -> decoding.Run:
         """A prompt's prefill, with a cache just large enough for the prompt and its first token: as wide
         as the padded prompt, so that each bucket compiles one prefill (`insert` fits it to the lane's)."""
-        return self._run(prompts, max_new_tokens, seed, max_len=min(bucket(prompts.shape[1] + 1), self.max_len))
+        return self._run(plan, prompts, max_new_tokens, seed, max_len=min(bucket(prompts.shape[1] + 1), self.max_len))
 
     @property
     def active(self) -> list[int]:
         return [i for i, r in enumerate(self.requests) if r is not None]
 
     def free_slot(self) -> int | None:
+        """A free row, for which the batch grows to its next size when every row is busy; None when all
+        `slots` are."""
+        if all(self.requests) and len(self.requests) < self.slots:
+            self.regroup(self.rows_for(len(self.requests) + 1))
         return next((i for i, r in enumerate(self.requests) if r is None), None)
 
     def prefill(self, request: Request) -> decoding.DecodeState:
-        """The request's prompt through the full model, alone: a one-row state with its first token."""
-        return self._prefill_run(np.asarray([request.prompt_ids]), request.max_new_tokens, request.seed).prefill()
+        """The request's prompt through the full model, alone: a one-row state with its first token, for
+        the batch as it is now (`free_slot` first)."""
+        return self._prefill_run(np.asarray([request.prompt_ids]), request.max_new_tokens, request.seed, self.plan).prefill()
 
     def insert(self, request: Request, row: decoding.DecodeState, slot: int) -> int:
         """Writes the prefilled `row` into `slot`, with the cache grown if the request needs it; returns
         the request's first token."""
         self.resize(max(self.capacity, self.capacity_for(self.positions(request))))
         slot = np.int32(slot)  # a host value, as `warm` compiled for
-        self.state = self._executable(_insert_jit, self.state, row, slot, reseed=not self.active)(self.state, row, slot)
+        reseed = np.bool_(not self.active)
+        row = self._executable(_resized_jit, row, max_len=self.capacity)(row)
+        self.state = self._executable(_insert_jit, self.state, row, slot, reseed)(self.state, row, slot, reseed)
         self.requests[slot] = request
         return int(row.tokens[0, len(request.prompt_ids)])
 
@@ -207,14 +290,30 @@ class Lane:
         self.requests[slot] = None
 
     def advance(self, iterations: int):
-        """Runs up to `iterations` iterations, with the cache shrunk to what the requests left need;
-        returns (tokens, generated counts, done flags, acceptance histograms) per row."""
+        """Runs up to `iterations` iterations, with the cache shrunk to what the requests left need, and
+        the batch too once they have fitted a smaller one for `SHRINK_AFTER` chunks in a row (so that
+        occupancy at a threshold does not switch plans back and forth). Returns per row (the rows of
+        `requests`, which a smaller batch may have moved) the tokens, generated counts, done flags, and
+        the loop counts since the row's last bank (`_counts`)."""
+        smaller = self.rows_for(len(self.active))
+        self.roomy_chunks = self.roomy_chunks + 1 if smaller < len(self.requests) else 0
+        if self.roomy_chunks >= SHRINK_AFTER:
+            self.regroup(smaller)
+            self.roomy_chunks = 0
         self.resize(self.capacity_for(max((self.positions(self.requests[i]) for i in self.active), default=0)))
         self.state = self.run.advance(self.state, self.iteration + iterations)
-        tokens, generated, done, histogram, iteration = sharding.to_host(
-            (self.state.tokens, self.state.num_generated, self.state.done, self.state.stats.accept_histogram, self.state.iteration))
+        stats = self.state.stats
+        tokens, generated, done, accepted, plain_steps, iteration = sharding.to_host(
+            (self.state.tokens, self.state.num_generated, self.state.done, stats.accept_histogram, stats.plain_steps, self.state.iteration))
         self.iteration = int(iteration)
-        return tokens, generated, done, histogram
+        return tokens, generated, done, self._counts(accepted, plain_steps)
+
+    def _counts(self, accepted: np.ndarray, plain_steps: np.ndarray) -> list[tuple[np.ndarray, int]]:
+        """Each row's loop counts under the plan in force: iterations by drafts accepted, and plain
+        steps (which a plain plan's loop counts as iterations that accepted none)."""
+        if self.plan.method == "ar":
+            return [(np.zeros(0, np.int64), int(a.sum() + p)) for a, p in zip(accepted, plain_steps)]
+        return [(a, int(p)) for a, p in zip(accepted, plain_steps)]
 
 
 @dataclasses.dataclass
@@ -257,7 +356,7 @@ class Engine:
     @functools.cached_property
     def block(self) -> int:
         """Cache positions a request needs past its prompt and reply: the largest draft block of any lane."""
-        return max(self._plan(Sampling()).block, self._plan(Sampling(1.0)).block)
+        return max(self._plan(sampling, rows)[0].block for sampling in (Sampling(), Sampling(1.0)) for rows in row_buckets(self.slots))
 
     def room(self, prompt_tokens: int) -> int:
         """The most new tokens a prompt of this length leaves room for; < 1: it does not fit."""
@@ -303,9 +402,12 @@ class Engine:
 
     # ------------------------------------------------------------ the engine's thread
 
-    def _plan(self, sampling: Sampling) -> Plan:
+    def _plan(self, sampling: Sampling, rows: int) -> tuple[Plan, str]:
+        """The plan a batch of `rows` runs for `sampling`, and what chose it: the calibrated policy of
+        that batch size (its pass costs over that many rows) where the server's options leave it open."""
         options = self.options.replace(temperature=sampling.temperature, top_p=sampling.top_p)
-        return planning.plan_for(self.model.config, options, planning.drafting_policy(self.model, options)[0])
+        policy, why = planning.drafting_policy(self.model, options, rows)
+        return planning.plan_for(self.model.config, options, policy), why
 
     def lane(self, sampling: Sampling) -> Lane | None:
         """The lane of `sampling`, made if there is room (an idle lane of another setting is dropped); else None."""
@@ -316,7 +418,9 @@ class Engine:
             if idle is None:
                 return None
             del self.lanes[idle]
-        self.lanes[sampling] = Lane(self.model, self._plan(sampling), self.slots, self.max_len, self.eos_ids, self.executables)
+        chosen = {rows: self._plan(sampling, rows) for rows in row_buckets(self.slots)}
+        self.lanes[sampling] = Lane(self.model, {rows: plan for rows, (plan, _) in chosen.items()}, self.slots, self.max_len,
+                                    self.eos_ids, self.executables, policies={rows: why for rows, (_, why) in chosen.items()})
         return self.lanes[sampling]
 
     def _loop(self) -> None:
@@ -367,14 +471,15 @@ class Engine:
     def _step(self, sampling: Sampling, lane: Lane) -> None:
         start = time.perf_counter()
         try:
-            tokens, generated, done, histogram = lane.advance(self.chunk_iterations)
+            tokens, generated, done, counts = lane.advance(self.chunk_iterations)
             self.totals.decode_seconds += time.perf_counter() - start
             for slot in lane.active:
                 request = lane.requests[slot]
                 start_at = len(request.prompt_ids)
                 new = tokens[slot, start_at + len(request.tokens) : start_at + generated[slot]].tolist()
-                if self._emit(lane, slot, new, done=bool(done[slot])) and not request.cancelled.is_set():
-                    self._count_acceptance(histogram[slot])
+                if self._emit(lane, slot, new, done=bool(done[slot]), counts=counts[slot]) \
+                        and not request.cancelled.is_set():
+                    self._count_acceptance(request.accepted)
         except Exception as e:  # noqa: BLE001 - the lane's requests fail; the server goes on, with a fresh lane when one is needed
             self._fail_lane(sampling, f"decoding failed: {type(e).__name__}: {e}")
 
@@ -383,8 +488,9 @@ class Engine:
         for request in {id(r): r for r in [*lane.requests, also] if r is not None}.values():
             self._finish(request, Delta("", [], "error", error=message), outcome="error")
 
-    def _emit(self, lane: Lane, slot: int, new_tokens: list[int], done: bool) -> bool:
-        """Hands a request its new text; frees its slot when it is finished, stopped or abandoned."""
+    def _emit(self, lane: Lane, slot: int, new_tokens: list[int], done: bool, counts=None) -> bool:
+        """Hands a request its new text; frees its slot when it is finished, stopped or abandoned. `counts`
+        are its row's loop counts since its last bank (`Lane.advance`)."""
         request = lane.requests[slot]
         if request.cancelled.is_set():
             lane.free(slot)
@@ -410,6 +516,9 @@ class Engine:
         if finish is None:
             request.deliver(delta)
             return False
+        if counts is not None:
+            request.bank(*counts)
+        delta.drafted_iterations, delta.plain_iterations = int(request.accepted.sum()), request.plain_steps
         lane.free(slot)
         self._finish(request, delta, outcome="ok")
         return True

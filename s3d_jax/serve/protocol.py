@@ -72,8 +72,12 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage(last) -> dict:
+    """OpenAI's usage of a finished request (its last engine Delta), and how many of its loop iterations
+    verified drafts and how many were plain steps, under a key of this server's own."""
+    tokens = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+              "total_tokens": last.prompt_tokens + last.completion_tokens}
+    return {**tokens, "s3d": {"drafted_iterations": last.drafted_iterations, "plain_iterations": last.plain_iterations}}
 
 
 class Reply:
@@ -89,9 +93,9 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "system_fingerprint": None,
                 "choices": [{"index": 0, "logprobs": None, **choice}], **extra}
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def whole(self, text: str, last) -> dict:
         choice = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return self._body({**choice, "finish_reason": finish_reason}, chunk=False, usage=usage(prompt_tokens, completion_tokens))
+        return self._body({**choice, "finish_reason": last.finish_reason}, chunk=False, usage=usage(last))
 
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
         if self.chat:
@@ -99,7 +103,7 @@ class Reply:
             return self._body({"delta": delta, "finish_reason": finish_reason}, chunk=True)
         return self._body({"text": text, "finish_reason": finish_reason}, chunk=True)
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        body = self._body({}, chunk=True, usage=usage(prompt_tokens, completion_tokens))
+    def usage_chunk(self, last) -> dict:
+        body = self._body({}, chunk=True, usage=usage(last))
         body["choices"] = []
         return body
