@@ -50,8 +50,8 @@ def parse_args(argv=None):
         p.error(f"--dtypes must start with float32 (the reference) and name only {', '.join(DTYPES)}; got {args.dtypes!r}")
     if args.limit < 1:
         p.error(f"--limit must be at least 1, got {args.limit}")
-    if args.llama_cpp and args.model:
-        p.error("--llama-cpp runs the bundled model's GGUF: leave out --model")
+    if args.llama_cpp and args.model and not bundled.is_name(args.model):
+        p.error("--llama-cpp runs a named model's GGUF (--model smollm2-135m or qwen2.5-coder-0.5b), not a model directory's")
     if args.llama_cpp and set(args.dtype_list) - set(GGUF_TYPES):
         p.error(f"--llama-cpp has no GGUF for {', '.join(sorted(set(args.dtype_list) - set(GGUF_TYPES)))}")
     return args
