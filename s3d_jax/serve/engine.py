@@ -74,13 +74,18 @@ class Request:
 
     def bank(self, accepted: np.ndarray, plain_steps: int) -> None:
         """Adds loop counts of this request's row to those it holds."""
-        width = max(len(self.accepted), len(accepted))
-        self.accepted = np.pad(self.accepted, (0, width - len(self.accepted))) + np.pad(accepted, (0, width - len(accepted)))
+        self.accepted = add_histograms(self.accepted, accepted)
         self.plain_steps += int(plain_steps)
 
     @property
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, 0, self.top_p if self.temperature else 1.0)
+
+
+def add_histograms(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Two acceptance histograms (iterations by drafts accepted) of plans of any reach, summed."""
+    width = max(len(a), len(b))
+    return np.pad(a, (0, width - len(a))).astype(np.int64) + np.pad(b, (0, width - len(b)))
 
 
 def _resized(state: decoding.DecodeState, max_len: int) -> decoding.DecodeState:
@@ -525,12 +530,8 @@ class Engine:
 
     def _count_acceptance(self, histogram: np.ndarray) -> None:
         totals = self.totals
-        if totals.accept_histogram is None or len(totals.accept_histogram) < len(histogram):
-            grown = np.zeros(len(histogram), np.int64)
-            if totals.accept_histogram is not None:
-                grown[: len(totals.accept_histogram)] = totals.accept_histogram
-            totals.accept_histogram = grown
-        totals.accept_histogram[: len(histogram)] += histogram
+        totals.accept_histogram = add_histograms(np.zeros(0, np.int64) if totals.accept_histogram is None else totals.accept_histogram,
+                                                 histogram)
 
     def _finish(self, request: Request, delta: Delta, outcome: str) -> None:
         self.totals.requests[outcome] += 1
