@@ -62,6 +62,13 @@ def tiny_chat_model(**overrides) -> Model:
     return Model(model.params, model.config, bundled.tokenizer())
 
 
+def drafting_chat_model() -> Model:
+    """`tiny_chat_model` with a drafter's settings (layers 1-2 skipped, chains of 3, trees of 4), as the
+    server's tests serve it."""
+    model = tiny_chat_model()
+    return Model(model.params, model.config.replace(draft_skip=(1, 2), draft_gamma=3, draft_tree=4), model.tokenizer)
+
+
 def save_chat_model(path, **overrides):
     """`tiny_chat_model` saved as a model directory that stops at SmolLM2's end-of-turn id (2); returns `path`."""
     model = tiny_chat_model(**overrides)

@@ -46,7 +46,8 @@ def main(argv=None) -> int:
 
         from s3d_jax.sampling import Sampling
         from s3d_jax.serve.app import Defaults, create_app
-        from s3d_jax.serve.engine import Engine, row_buckets
+        from s3d_jax.serve.engine import Engine
+        from s3d_jax.serve.lane import row_buckets
 
         decode_options = options.DecodeOptions.from_args(args)  # checked before the model loads
         if args.max_queue < 0:

@@ -20,7 +20,8 @@ from s3d_jax import api
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
 from s3d_jax.options import SEED_LIMIT
 from s3d_jax.serve import protocol
-from s3d_jax.serve.engine import Delta, Engine, QueueFull, Request
+from s3d_jax.serve.engine import Engine, QueueFull
+from s3d_jax.serve.request import Delta, Request
 
 RETRY_AFTER_SECONDS = 1
 DISCONNECT_POLL_SECONDS = 0.25
