@@ -34,7 +34,8 @@ METHODS = {"ar": dict(method="ar"), "s3d_tree": dict(), "s3d_chain": dict(tree=0
 
 def outputs(model, prompts, new_tokens: int, methods) -> dict:
     found = {name: s3d_jax.decode(model, prompts, max_new_tokens=new_tokens, **kw).tokens for name, kw in methods.items()}
-    found["streamed"] = list(s3d_jax.stream(model, prompts, max_new_tokens=new_tokens, chunk_iterations=2, **methods["ar"]))[-1].tokens
+    plain = methods.get("ar", METHODS["ar"])  # streamed plainly whatever the methods compared
+    found["streamed"] = list(s3d_jax.stream(model, prompts, max_new_tokens=new_tokens, chunk_iterations=2, **plain))[-1].tokens
     return found
 
 

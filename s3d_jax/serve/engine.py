@@ -90,12 +90,16 @@ class Engine:
             raise ValueError(f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.max_new_tokens} + draft block "
                              f"{self.block} does not fit the context window of {self.max_len} tokens")
         with self._cond:
-            if self._stopping:
-                raise QueueFull("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting, the most this server queues")
+            self.check_room()
             self.waiting.append(request)
             self._cond.notify()
+
+    def check_room(self) -> None:
+        """Raises QueueFull where a request submitted now would be refused."""
+        if self._stopping:
+            raise QueueFull("the server is shutting down")
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting, the most this server queues")
 
     def start(self, warm: bool = True) -> Engine:
         """Compiles the greedy lane (with `warm`, its prefill for every prompt bucket and its loop at every
