@@ -65,7 +65,8 @@ def parse_args(argv=None):
         unknown = [n for n in name if n not in known]
         if unknown:
             p.error(f"unknown {kind} {unknown[0]!r}; choose from {', '.join(known)}")
-    args.method_list = ["ar"] + [m for m in args.method_list if m != "ar"]  # the baseline every ratio is against, first
+    # In BENCH_METHODS' order: plain greedy first, the baseline every ratio is against, and plain sampling before sampled S3D.
+    args.method_list = sorted({"ar", *args.method_list}, key=BENCH_METHODS.index)
     return args
 
 
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
         for engine in args.method_list[1:] + args.peer_list:
             # Greedy engines on the same weights must reproduce plain greedy; llama.cpp runs quantised weights.
             reference = None if engine.endswith("_sample") or engine in LLAMA_CPP_PEERS else results["ar"]
-            # Sampled S3D against plain sampling where both ran: the same distribution, at its own cost.
+            # Sampled S3D against plain sampling where both ran (ar_sample comes first): the same distribution, at its own cost.
             against = sampled_base if engine == "s3d_sample" and sampled_base else base
             rows.append(report.summarize_engine(engine, suite, results[engine], prompts, against, reference))
             if engine == "ar_sample":

@@ -128,11 +128,11 @@ def create_app(engine: Engine, model_name: str, defaults: Defaults = Defaults(),
     return app
 
 
-def _queued(engine: Engine, request: Request | None = None) -> None:
-    """Queues `request`; without one, checks only that the queue has room, so that a client retrying a
-    full server is refused before its prompt costs a tokenization. A full queue is a 429."""
+@contextlib.contextmanager
+def _full_queue_is_429():
+    """A full queue (the engine's QueueFull) answered as OpenAI's rate limit, with a Retry-After."""
     try:
-        engine.submit(request) if request else engine.check_room()
+        yield
     except QueueFull as e:
         raise Refused(429, f"the server is busy: {e}; retry shortly", "rate_limit_error", code="queue_full",
                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
@@ -141,8 +141,9 @@ def _queued(engine: Engine, request: Request | None = None) -> None:
 async def _encode(engine: Engine, prompt, prompt_chars: int, chat: bool) -> list[int]:
     """The prompt's token ids, tokenized (and templated) off the event loop's thread. Text of more than
     `prompt_chars` characters, or more token ids than the window, cannot fit and is refused unread; so
-    is any prompt while the queue is full."""
-    _queued(engine)
+    is any prompt while the queue is full, so that a client retrying a full server costs no tokenization."""
+    with _full_queue_is_429():
+        engine.check_room()
     param = "messages" if chat else "prompt"
     if isinstance(prompt, list) and not chat:  # token ids
         length, limit, unit = len(prompt), engine.max_len, "token ids"
@@ -175,7 +176,8 @@ async def _complete(engine: Engine, model_name: str, defaults: Defaults, body: p
                       temperature=temperature, top_p=defaults.top_p if body.top_p is None else body.top_p,
                       seed=(defaults.seed if body.seed is None else body.seed) % SEED_LIMIT, stop=body.stops())
     try:
-        _queued(engine, request)
+        with _full_queue_is_429():
+            engine.submit(request)
     except ValueError as e:
         raise Refused(400, str(e), code="context_length_exceeded") from None
     reply = protocol.Reply(model_name, chat)
@@ -300,7 +302,7 @@ class _Collector:
         yield rows
         yield plans
         histogram = totals.accept_histogram
-        drafted = histogram is not None and histogram.sum() > 0
+        drafted = histogram.sum() > 0
         yield GaugeMetricFamily("s3d_tokens_per_iteration", "E: tokens per drafted iteration of finished requests",
                                 value=tokens_per_iteration(histogram) if drafted else 0.0)
         acceptance = GaugeMetricFamily("s3d_acceptance", "Acceptance per draft depth of finished requests", labels=["depth"])

@@ -44,7 +44,7 @@ class Totals:
     requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # by outcome
     generated_tokens: int = 0
     decode_seconds: float = 0.0
-    accept_histogram: np.ndarray | None = None  # summed over finished requests' rows
+    accept_histogram: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # summed over finished requests' rows
 
 
 class Engine:
@@ -249,9 +249,7 @@ class Engine:
         return True
 
     def _count_acceptance(self, histogram: np.ndarray) -> None:
-        totals = self.totals
-        totals.accept_histogram = add_histograms(np.zeros(0, np.int64) if totals.accept_histogram is None else totals.accept_histogram,
-                                                 histogram)
+        self.totals.accept_histogram = add_histograms(self.totals.accept_histogram, histogram)
 
     def _finish(self, request: Request, delta: Delta, outcome: str) -> None:
         self.totals.requests[outcome] += 1
