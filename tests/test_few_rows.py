@@ -201,11 +201,13 @@ def test_the_build_is_logged_and_happens_once(built_cache):
 
 @needs_kernel
 @pytest.mark.parametrize("damage", ["truncated", "foreign library", "digest missing", "random bytes"])
-def test_a_damaged_kernel_file_is_rebuilt_not_loaded(built_cache, tmp_path, damage):
+def test_a_kernel_file_unlike_its_build_is_not_intact(built_cache, tmp_path, damage):
     """A file in the kernel cache that is not what the build wrote (a crash mid-copy, another library
-    at its path) is never loaded, which could kill the process with SIGBUS: it is rebuilt."""
+    at its path) is never loaded, which could kill the process with SIGBUS: `built_library` rebuilds
+    whatever `intact` refuses (the next test)."""
     shutil.copytree(built_cache / "kernels", tmp_path / "kernels")
     (library,) = (tmp_path / "kernels").glob("few_rows-*.so")
+    assert build.intact(library)
     digest = library.with_name(library.name + ".sha256")
     if damage == "truncated":
         library.write_bytes(library.read_bytes()[:4096])
@@ -215,6 +217,14 @@ def test_a_damaged_kernel_file_is_rebuilt_not_loaded(built_cache, tmp_path, dama
         digest.unlink()
     else:
         library.write_bytes(np.random.default_rng(0).bytes(library.stat().st_size))
+    assert not build.intact(library)
+
+
+@needs_kernel
+def test_a_damaged_kernel_file_is_rebuilt_not_loaded(built_cache, tmp_path):
+    shutil.copytree(built_cache / "kernels", tmp_path / "kernels")
+    (library,) = (tmp_path / "kernels").glob("few_rows-*.so")
+    library.write_bytes(library.read_bytes()[:4096])
     code, err, out = kernel_process(tmp_path)
     assert code == 0 and out.split() == ["True"], err
     assert "is not the file its build wrote" in err and "built the few-row CPU kernel" in err

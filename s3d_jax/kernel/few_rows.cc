@@ -54,35 +54,44 @@ inline Lanes Join(__m256 low, __m256 high) {
 }
 #endif
 
-// 16 int8s as float32. The compiler leaves a generic int8 -> float vector conversion scalar.
-inline Lanes WidenBytes(const int8_t* p) {
+// The vector a quantized weight's codes are summed in: 16 floats with AVX-512; 8 otherwise. With
+// AVX2's 16 registers of 8 floats, GCC kept 16-float sums of a few rows in memory, moved in 8-byte
+// pieces, and int4 products of 4 rows cost 5x one row's (docs/cpu.md, "Quantized sums in registers of 8").
 #if defined(__AVX512F__)
-  return reinterpret_cast<Lanes>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-#elif defined(__AVX2__)
-  return Join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
-              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))));
+typedef Lanes CodeLanes;
 #else
-  Lanes out;
-  for (int i = 0; i < 16; ++i) out[i] = float(p[i]);
+typedef float CodeLanes __attribute__((vector_size(32), aligned(4), may_alias));
+#endif
+constexpr int kCodeLanes = sizeof(CodeLanes) / sizeof(float);
+
+// kCodeLanes int8s as float32. The compiler leaves a generic int8 -> float vector conversion scalar.
+inline CodeLanes WidenBytes(const int8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<CodeLanes>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<CodeLanes>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  CodeLanes out;
+  for (int i = 0; i < kCodeLanes; ++i) out[i] = float(p[i]);
   return out;
 #endif
 }
 
-// 16 codes 0..15 as float32: the low nibbles of 16 bytes, or their high ones.
-inline Lanes WidenNibbles(const uint8_t* p, bool high) {
+// kCodeLanes codes 0..15 as float32: the low nibbles of as many bytes, or their high ones.
+inline CodeLanes WidenNibbles(const uint8_t* p, bool high) {
 #if defined(__AVX512F__)
   // A permutation reads the low 4 bits of each index: the nibble's value from a table of 0..15.
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return reinterpret_cast<Lanes>(_mm512_permutexvar_ps(high ? _mm512_srli_epi32(bytes, 4) : bytes, values));
+  return reinterpret_cast<CodeLanes>(_mm512_permutexvar_ps(high ? _mm512_srli_epi32(bytes, 4) : bytes, values));
 #elif defined(__AVX2__)
   // The compiler leaves the scalar loop below scalar: on an AVX2 EPYC, int4 products ran slower than XLA's.
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   const __m128i codes = _mm_and_si128(high ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(15));
-  return Join(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8))));
+  return reinterpret_cast<CodeLanes>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)));
 #else
-  Lanes out;
-  for (int i = 0; i < 16; ++i) out[i] = float(high ? p[i] >> 4 : p[i] & 15);
+  CodeLanes out;
+  for (int i = 0; i < kCodeLanes; ++i) out[i] = float(high ? p[i] >> 4 : p[i] & 15);
   return out;
 #endif
 }
@@ -148,9 +157,19 @@ constexpr int64_t kLineColumns = 64 / sizeof(*std::declval<W>().w);
 
 // The quantized weights' readers give codes (16 columns of one or two rows, or one entry) and scale
 // a sum of codes over rows of one group: `Scaled(sum of x * code, sum of x, ...)`.
-// A group's 16 scales (or minimums) from `p`, as float32: float16 ones widen exactly.
-inline Lanes Load16Scales(const float* p) { return *reinterpret_cast<const Lanes*>(p); }
-inline Lanes Load16Scales(const uint16_t* p) { return WidenHalves(p); }
+// A group's kCodeLanes scales (or minimums) from `p`, as float32: float16 ones widen exactly.
+inline CodeLanes LoadScales(const float* p) { return *reinterpret_cast<const CodeLanes*>(p); }
+inline CodeLanes LoadScales(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return WidenHalves(p);
+#elif defined(__F16C__)
+  return reinterpret_cast<CodeLanes>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  CodeLanes out;
+  for (int i = 0; i < kCodeLanes; ++i) out[i] = float(std::bit_cast<_Float16>(p[i]));
+  return out;
+#endif
+}
 inline float Scale1(float s) { return s; }
 inline float Scale1(uint16_t s) { return Half(s); }
 
@@ -162,15 +181,12 @@ struct Int8Weight {
   int group_shift;     // log2 of the group: 5 or 4
   static constexpr bool kQuantized = true;
   static constexpr int kRowsPerLoad = 1;
-  static constexpr int kRows = 8;  // per block: as many memory streams as a float weight's
-  void Codes16(int64_t k, int64_t n, Lanes* codes) const { codes[0] = WidenBytes(w + k * N + n); }
+  static constexpr int kRows = 16;  // per block: scaled once per 16 rows (per 8, 8 rows of a product cost 2x int4's)
+  void Codes(int64_t k, int64_t n, CodeLanes* codes) const { codes[0] = WidenBytes(w + k * N + n); }
   const void* Row(int64_t k) const { return w + k * N; }  // a row's codes, one byte per column
   float Code1(int64_t k, int64_t n) const { return float(w[k * N + n]); }
-  Lanes Scaled(Lanes sum, Lanes x_sum, int64_t k, int64_t n) const {
-    const int64_t at = (k >> group_shift) * N + n;
-    const Lanes scaled = sum * Load16Scales(scale + at);
-    return min ? scaled + x_sum * Load16Scales(min + at) : scaled;
-  }
+  CodeLanes Scales(int64_t k, int64_t n) const { return LoadScales(scale + (k >> group_shift) * N + n); }
+  CodeLanes Mins(int64_t k, int64_t n) const { return min ? LoadScales(min + (k >> group_shift) * N + n) : CodeLanes{}; }
   float Scaled1(float sum, float x_sum, int64_t k, int64_t n) const {
     const int64_t at = (k >> group_shift) * N + n;
     return min ? sum * scale[at] + x_sum * min[at] : sum * scale[at];
@@ -187,16 +203,14 @@ struct Int4Weight {
   static constexpr bool kQuantized = true;
   static constexpr int kRowsPerLoad = 2;  // k even
   static constexpr int kRows = 16;  // per block: 8 rows of bytes
-  void Codes16(int64_t k, int64_t n, Lanes* codes) const {
+  void Codes(int64_t k, int64_t n, CodeLanes* codes) const {
     codes[0] = WidenNibbles(w + k / 2 * N + n, false);
     codes[1] = WidenNibbles(w + k / 2 * N + n, true);
   }
   float Code1(int64_t k, int64_t n) const { return float(k & 1 ? w[k / 2 * N + n] >> 4 : w[k / 2 * N + n] & 15); }
   const void* Row(int64_t k) const { return w + k / 2 * N; }  // a pair of rows' codes, one byte per column
-  Lanes Scaled(Lanes sum, Lanes x_sum, int64_t k, int64_t n) const {
-    const int64_t at = (k >> group_shift) * N + n;
-    return sum * Load16Scales(scale + at) + x_sum * Load16Scales(min + at);
-  }
+  CodeLanes Scales(int64_t k, int64_t n) const { return LoadScales(scale + (k >> group_shift) * N + n); }
+  CodeLanes Mins(int64_t k, int64_t n) const { return LoadScales(min + (k >> group_shift) * N + n); }
   float Scaled1(float sum, float x_sum, int64_t k, int64_t n) const {
     const int64_t at = (k >> group_shift) * N + n;
     return sum * Scale1(scale[at]) + x_sum * Scale1(min[at]);
@@ -307,6 +321,9 @@ inline void AccumulateCodes(const float* x, const W& w, float* y, int64_t K, int
     sums[t] = 0;
     for (int kk = 0; kk < kRows; ++kk) sums[t] += xs[t][kk] = x[t * K + k0 + kk];
   }
+  // Vectors of columns per broadcast of an x: two of 8 where their T rows' sums and codes fit in
+  // AVX2's 16 registers, which halves the broadcasts (a load each); else one.
+  constexpr int kVectors = 2 * T + 2 * W::kRowsPerLoad + 1 <= 16 ? 16 / kCodeLanes : 1;
   const bool next = k0 + kRows < K;
   int64_t n = n0;
   for (; n + 16 <= n1; n += 16) {
@@ -315,17 +332,20 @@ inline void AccumulateCodes(const float* x, const W& w, float* y, int64_t K, int
     // the kernel waiting on memory rather than on arithmetic.
     if (next && n % 64 == 0)
       for (int kk = 0; kk < kRows; kk += W::kRowsPerLoad) __builtin_prefetch(static_cast<const char*>(w.Row(k0 + kRows + kk)) + n);
-    Lanes acc[T] = {};
-    for (int kk = 0; kk < kRows; kk += W::kRowsPerLoad) {
-      Lanes codes[W::kRowsPerLoad];
-      w.Codes16(k0 + kk, n, codes);
-      for (int i = 0; i < W::kRowsPerLoad; ++i)
-        for (int t = 0; t < T; ++t) acc[t] += xs[t][kk + i] * codes[i];
-    }
-    for (int t = 0; t < T; ++t) {
-      Lanes x_sum = {};
-      x_sum += sums[t];
-      *reinterpret_cast<Lanes*>(y + t * N + n) += w.Scaled(acc[t], x_sum, k0, n);
+    for (int64_t c = n; c < n + 16; c += kVectors * kCodeLanes) {
+      CodeLanes acc[T][kVectors] = {};
+      for (int kk = 0; kk < kRows; kk += W::kRowsPerLoad) {
+        CodeLanes codes[kVectors][W::kRowsPerLoad];
+        for (int v = 0; v < kVectors; ++v) w.Codes(k0 + kk, c + v * kCodeLanes, codes[v]);
+        for (int i = 0; i < W::kRowsPerLoad; ++i)
+          for (int t = 0; t < T; ++t)
+            for (int v = 0; v < kVectors; ++v) acc[t][v] += xs[t][kk + i] * codes[v][i];
+      }
+      for (int v = 0; v < kVectors; ++v) {
+        // The group's scales and minimums are read once for the T rows (y may alias them for all the compiler knows).
+        const CodeLanes scale = w.Scales(k0, c + v * kCodeLanes), min = w.Mins(k0, c + v * kCodeLanes);
+        for (int t = 0; t < T; ++t) *reinterpret_cast<CodeLanes*>(y + t * N + c + v * kCodeLanes) += acc[t][v] * scale + sums[t] * min;
+      }
     }
   }
   for (; n < n1; ++n)
@@ -352,9 +372,11 @@ void Columns(const float* x, const void* weight, float* y, int64_t K, int64_t n0
 using ColumnsFn = void (*)(const float*, const void*, float*, int64_t, int64_t, int64_t);
 
 // Rows of x per sweep: a quantized weight's codes are widened once per sweep, which costs more than
-// a float weight's loads, so its sweeps take up to 16 rows (a tree of 15 and its root in one).
+// a float weight's loads, so its sweeps take as many rows as fit in registers (kMaxRows): 16 with
+// AVX-512 (a tree of 15 and its root in one), 12 with AVX2, where sweeps of 16 spilled their sums
+// (16 rows of an int4 product cost 1.6x 12 rows', not 1.33x).
 template <typename W>
-constexpr int64_t kSweepRows = IsQuantized<W>() ? 16 : kMaxRows;
+constexpr int64_t kSweepRows = kMaxRows;
 
 template <typename W, size_t... T>
 constexpr std::array<ColumnsFn, sizeof...(T) + 1> ColumnsTable(std::index_sequence<T...>) {
