@@ -42,13 +42,37 @@ def log_probs(logits, sampling: Sampling):
         kth = top_k(logits, sampling.top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, NEG_INF, logits)
     if sampling.top_p < 1.0:
-        sorted_desc = -jnp.sort(-logits, axis=-1)
-        probs = jax.nn.softmax(sorted_desc, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        cutoff = jnp.min(jnp.where(mass_before < sampling.top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < cutoff, NEG_INF, logits)
+        logits = nucleus(logits, sampling.top_p)
     return jax.nn.log_softmax(logits, axis=-1)
+
+
+NUCLEUS_CANDIDATES = 1024  # the largest logits in which `nucleus` looks for the cutoff first
+
+
+def nucleus(logits, top_p: float):
+    """`logits` with the tokens outside the top-p nucleus at -inf: the smallest set of largest logits
+    whose mass reaches `top_p` (a token stays if the mass of the larger ones is below `top_p`; tied
+    tokens stay or go together). The cutoff is looked for among the `NUCLEUS_CANDIDATES` largest
+    first, and over the whole sorted row only where some row's nucleus is larger: on a CPU, sorting
+    a 49k vocabulary took 13 ms a row, half a float32 step of the bundled model, and its 1,024
+    largest 0.5 ms (docs/cpu.md, "The loop's own operations")."""
+    vocab = logits.shape[-1]
+
+    def cutoff_among(values):  # values: the largest logits, descending
+        probs = jnp.exp(values - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        within = mass_before[..., -1] >= top_p  # the nucleus ends before the last value
+        return jnp.min(jnp.where(mass_before < top_p, values, jnp.inf), axis=-1, keepdims=True), within
+
+    def whole_row():
+        return cutoff_among(-jnp.sort(-logits, axis=-1))[0]
+
+    if vocab <= NUCLEUS_CANDIDATES:
+        cutoff = whole_row()
+    else:
+        cutoff, within = cutoff_among(top_k(logits, NUCLEUS_CANDIDATES)[0])
+        cutoff = jax.lax.cond(jnp.all(within), lambda: cutoff, whole_row)
+    return jnp.where(logits < cutoff, NEG_INF, logits)
 
 
 def argmax(logits):

@@ -253,6 +253,23 @@ def test_speculative_sampling_is_lossless(method, sampling):
     assert out.stats.tokens_per_iteration > 1.0
 
 
+@pytest.mark.parametrize("scale", [8.0, 0.05])  # a small nucleus among the candidates, and a nucleus wider than them
+def test_the_nucleus_is_the_smallest_set_of_largest_tokens_whose_mass_reaches_top_p(monkeypatch, scale):
+    """`nucleus` finds its cutoff among the largest logits, or over the sorted row where some row's
+    nucleus is wider: either way, a token stays exactly when the mass of the larger ones is below top_p."""
+    from s3d_jax import sampling
+
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 16)
+    logits = np.random.default_rng(0).standard_normal((3, 500)).astype(np.float32) * scale
+    logits[0, :4] = logits[0].max() + 1.0  # tied largest tokens stay or go together
+    kept = np.asarray(jax.jit(lambda x: sampling.nucleus(x, 0.9))(jnp.asarray(logits))) > sampling.NEG_INF
+    probs = np.exp(logits - logits.max(-1, keepdims=True), dtype=np.float64)
+    probs /= probs.sum(-1, keepdims=True)
+    larger_mass = np.array([[row_probs[row > v].sum() for v in row] for row_probs, row in zip(probs, logits)])
+    np.testing.assert_array_equal(kept, larger_mass < 0.9)
+    assert (kept.sum(-1) < 16).all() if scale > 1 else (kept.sum(-1) > 16).all()
+
+
 # ------------------------------------------------------------------ compilation
 
 
