@@ -87,10 +87,9 @@ def test_the_loop_runs_at_the_busy_rows_and_moving_rows_changes_no_token(monkeyp
                 reply.set_result(tokens)
         return deliver
 
-    with engine._cond:  # all three waiting before the engine's thread admits any
-        for (question, new_tokens), reply in zip(asked, replies):
-            engine.waiting.append(Request(model.tokenizer.encode(question), new_tokens, deliver_to(reply, [])))
-        engine._cond.notify()
+    # All three waiting before the engine's thread admits any.
+    engine.submit(*(Request(model.tokenizer.encode(question), new_tokens, deliver_to(reply, []))
+                    for (question, new_tokens), reply in zip(asked, replies)))
     try:
         got = [reply.result(300) for reply in replies]
     finally:

@@ -83,22 +83,24 @@ class Engine:
         """The most new tokens a prompt of this length leaves room for; < 1: it does not fit."""
         return self.max_len - prompt_tokens - self.block
 
-    def submit(self, request: Request) -> None:
-        if not request.prompt_ids:
-            raise ValueError("empty prompt: give at least one token")
-        if request.max_new_tokens < 1 or request.max_new_tokens > self.room(len(request.prompt_ids)):
-            raise ValueError(f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.max_new_tokens} + draft block "
-                             f"{self.block} does not fit the context window of {self.max_len} tokens")
+    def submit(self, *requests: Request) -> None:
+        """Queues the requests together: the engine admits none of them before all are waiting."""
+        for request in requests:
+            if not request.prompt_ids:
+                raise ValueError("empty prompt: give at least one token")
+            if request.max_new_tokens < 1 or request.max_new_tokens > self.room(len(request.prompt_ids)):
+                raise ValueError(f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.max_new_tokens} + draft block "
+                                 f"{self.block} does not fit the context window of {self.max_len} tokens")
         with self._cond:
-            self.check_room()
-            self.waiting.append(request)
+            self.check_room(len(requests))
+            self.waiting.extend(requests)
             self._cond.notify()
 
-    def check_room(self) -> None:
-        """Raises QueueFull where a request submitted now would be refused."""
+    def check_room(self, count: int = 1) -> None:
+        """Raises QueueFull where `count` requests submitted now would be refused."""
         if self._stopping:
             raise QueueFull("the server is shutting down")
-        if len(self.waiting) >= self.max_queue:
+        if len(self.waiting) + count > self.max_queue:
             raise QueueFull(f"{len(self.waiting)} requests are waiting, the most this server queues")
 
     def start(self, warm: bool = True) -> Engine:
