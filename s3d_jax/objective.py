@@ -24,7 +24,7 @@ import optax
 from s3d_jax.config import ModelConfig
 from s3d_jax.model import full_pass, head_logits, lm_logits, never_produced, reduced_logits, run_layers
 from s3d_jax.ops import NEG_INF, Band, Context
-from s3d_jax.sampling import top_k
+from s3d_jax.sampling import kth_largest
 
 MASKINGS = ("span", "iid")
 LOSS_POSITIONS = ("anchors", "unmasked")
@@ -163,8 +163,7 @@ def target_loss(draft_logits_BTV, labels_BT, verifier_logits_BTV, objective: Obj
     tau = objective.target_temperature
     verifier = verifier_logits_BTV / tau
     if objective.target_top_k:
-        kth = top_k(verifier, objective.target_top_k)[0][..., -1:]
-        verifier = jnp.where(verifier < kth, NEG_INF, verifier)
+        verifier = jnp.where(verifier < kth_largest(verifier, objective.target_top_k), NEG_INF, verifier)
     p, log_q = jax.nn.softmax(verifier, -1), jax.nn.log_softmax(draft_logits_BTV / tau, -1)
     if objective.target == "verifier_kl":  # KL(p || q), scaled by τ² so gradients keep their size
         distance = tau**2 * jnp.sum(p * (jnp.log(jnp.maximum(p, 1e-30)) - log_q), -1)
