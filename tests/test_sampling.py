@@ -61,3 +61,20 @@ def test_a_sampled_token_costs_no_sort_of_the_vocabulary(top_k, top_p):
     text = compiled.as_text()
     entry = text[text.index("\nENTRY") :]
     assert "sort(" not in entry[: entry.index("\n}")], "the compiled draw sorts the vocabulary outside its fallback branch"
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_the_whole_row_cutoff_is_found_without_sorting(top_p):
+    """`whole_row_cutoff` bisects over the logits' order keys: the least logit whose larger ones hold
+    less than `top_p` of the mass, on rows of either sign, with ties and with tokens already removed."""
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((4, 3000)) * np.array([[0.05], [1.0], [4.0], [20.0]])).astype(np.float32)
+    logits[1, :40] = logits[1].max()  # a tie at the top
+    logits[2, ::3] = sampling.NEG_INF  # a top-k's removed tokens
+    logits[3] -= 50.0  # every logit negative
+    cutoff = np.asarray(jax.jit(lambda x: sampling.whole_row_cutoff(x, top_p))(jnp.asarray(logits)))[:, 0]
+    probs = np.exp(logits - logits.max(-1, keepdims=True), dtype=np.float64)
+    probs /= probs.sum(-1, keepdims=True)
+    for row, (row_logits, row_probs) in enumerate(zip(logits, probs)):
+        kept = [v for v in np.unique(row_logits) if row_probs[row_logits > v].sum() < top_p]
+        assert cutoff[row] == min(kept), row
