@@ -17,6 +17,6 @@ def get_config():
     c = sibling_config(__file__, "qwen_coder")
     c.data.path = "data/qwen_coder_replies_2.jsonl"
     c.s3d.init_drafter = "runs/qwen_coder_drafter/drafter.safetensors"
-    # 60 steps of 2,560 tokens (about a third of the stage's replies) at 80-85 s a step: within one session.
+    # 60 steps of 2,560 tokens (about a third of the stage's replies), about 30 s a step with the CPU to itself.
     c.train.update(steps=60, warmup_steps=4)
     return c

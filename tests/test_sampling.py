@@ -12,7 +12,7 @@ from s3d_jax.sampling import Sampling
 
 @pytest.mark.parametrize("scale", [8.0, 0.05])  # a small nucleus among the candidates, and a nucleus wider than them
 def test_the_nucleus_is_the_smallest_set_of_largest_tokens_whose_mass_reaches_top_p(monkeypatch, scale):
-    """`nucleus` finds its cutoff among the largest logits, or over the sorted row where some row's
+    """`nucleus` finds its cutoff among the largest logits, or over the whole row where some row's
     nucleus is wider: either way, a token stays exactly when the mass of the larger ones is below top_p."""
     monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 16)
     logits = np.random.default_rng(0).standard_normal((3, 500)).astype(np.float32) * scale
