@@ -25,6 +25,11 @@ SHAPES: dict[str, dict] = {
     "smollm2_135m": dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                          num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
                          max_position_embeddings=8192, tie_embeddings=True, mask_token_id=49151),
+    # Qwen/Qwen2.5-Coder-0.5B-Instruct as converted (rows padded to 152,064; the mask takes the first padding row)
+    "qwen2_5_coder_0_5b": dict(architecture="qwen2", vocab_size=152064, output_vocab_size=151936, hidden_size=896,
+                               intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+                               rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                               tie_embeddings=False, mask_token_id=151936, qkv_bias=True),
     # Qwen/Qwen3-0.6B
     "qwen3_0_6b": dict(architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
                        num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,

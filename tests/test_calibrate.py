@@ -151,7 +151,7 @@ def test_predict_shape_prints_costs_and_the_policy(monkeypatch, capsys):
     assert main(["--shape", "smollm2_135m", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "smollm2_135m (bfloat16)" in out and "step 20.0 ms" in out
-    assert "at the shipped drafter's acceptance: calibrated policy" in out
+    assert "at the drafter's acceptance: calibrated policy" in out
 
 
 def rounds(step=(10.0,) * 4, other=12.0):
@@ -254,3 +254,16 @@ def test_other_load_counts_another_process():
     if load.cores is None:
         pytest.skip("this system does not report CPU time per core (/proc/stat)")
     assert load.cores > 0.5
+
+
+def test_a_shape_takes_its_own_drafters_skip_and_otherwise_the_middle_half():
+    """`predict --shape` times a shape with a drafter's recipe: the drafter's skipped layers where it was
+    trained for that depth (Qwen's, skip [6, 17] of 24), the middle half for any other depth."""
+    from s3d_jax import bundled
+    from s3d_jax import drafter as drafter_lib
+    from s3d_jax.predict.shapes import drafted_shape
+
+    qwen = drafter_lib.load_file(bundled.named("qwen2.5-coder-0.5b").drafter)
+    assert drafted_shape("qwen2_5_coder_0_5b", "int4", qwen).draft_skip == tuple(qwen.skip) == (6, 17)
+    other = drafted_shape("llama3_1b", "bfloat16", qwen)
+    assert other.draft_skip == (4, 11) and other.draft_tree == qwen.tree and other.draft_lora_rank == qwen.lora_rank

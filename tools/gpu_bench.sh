@@ -5,6 +5,9 @@
 #               and of Llama-3.2-1B's shape in bfloat16, each of the last two also with XLA's
 #               dynamic-slice fusion on; the loop's ms per iteration of each kind
 #               (no model file or data set needed)
+#   qwen-passes pass costs of random weights of Qwen2.5-Coder-0.5B's shape in each dtype with its shipped
+#               drafter's recipe, and the speedup they predict at that drafter's acceptance profile
+#               (no model file or data set needed)
 #   bench       the bundled model with its shipped drafter: plain against S3D at the calibrated policy
 #               on MT-Bench, HumanEval and news (LIMIT prompts each, default 10), the never-drafting
 #               loop, bfloat16, and the pass costs against their bandwidth floor
@@ -39,8 +42,8 @@ fi
 STAGES="${*:-passes bench}"
 for stage in $STAGES; do
   case "$stage" in
-    passes|bench|precisions|qwen|train|paper) ;;
-    *) echo "unknown stage $stage: choose from passes, bench, precisions, qwen, train, paper" >&2; exit 2 ;;
+    passes|qwen-passes|bench|precisions|qwen|train|paper) ;;
+    *) echo "unknown stage $stage: choose from passes, qwen-passes, bench, precisions, qwen, train, paper" >&2; exit 2 ;;
   esac
 done
 LIMIT="${LIMIT:-10}"
@@ -49,7 +52,7 @@ LIMIT="${LIMIT:-10}"
 # tokens, an MT-Bench second turn) with a reply of 256.
 MAX_LEN="${MAX_LEN:-1024}"
 SITE=/tmp/s3d_site
-if [ "$STAGES" = passes ]; then
+if [ -z "$(echo " $STAGES " | sed -e 's/ passes / /g' -e 's/ qwen-passes / /g' | tr -d ' ')" ]; then
   :  # random weights: nothing to install
 elif [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
@@ -63,29 +66,34 @@ OUT="${OUT:-results}/gpu"
 mkdir -p "$OUT"
 python3 -c "import jax; d = jax.devices()[0]; print('device:', d.device_kind, d.platform, 'jax', jax.__version__)"
 
-shape() {  # pass costs of a named shape: shape NAME DTYPE [VAR=VALUE ...]
+shape() {  # pass costs of a named shape: shape NAME DTYPE [VAR=VALUE ...]; DRAFTER names another drafter file
   echo "== $1 $2 ${*:3}"
-  env "${@:3}" python3 -m s3d_jax.predict --shape "$1" --dtype "$2" 2>> "$OUT/passes.log" | grep -E "^pass costs|^at the" \
-    || echo "failed: see $OUT/passes.log"  # the other shapes still run
+  env "${@:3}" python3 -m s3d_jax.predict --shape "$1" --dtype "$2" ${DRAFTER:+--drafters "$DRAFTER"} 2>> "$OUT/passes.log" \
+    | grep -E "^pass costs|^at the" || echo "failed: see $OUT/passes.log"  # the other shapes still run
 }
 
 for stage in $STAGES; do
 case "$stage" in
 passes)
   {
-    for dtype in float32 bfloat16 int8 int4; do shape smollm2_135m "$dtype"; done
-    # The decode loop and its conditionals recorded as CUDA graphs (s3d_jax/gpu.py; off by default).
-    shape smollm2_135m float32 S3D_JAX_CUDA_GRAPHS=1
-    shape llama3_1b bfloat16
     # A pass reads each layer's weights through a dynamic slice of their stack. XLA hands such a slice
     # to cuBLAS in place only with dynamic-slice fusion, which it leaves off by default; without it
     # each pass may copy every layer's weights first (docs/gpu.md, "The layers as a loop").
     DSF=XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true"
+    shape smollm2_135m float32
     shape smollm2_135m float32 "$DSF"
+    shape llama3_1b bfloat16
     shape llama3_1b bfloat16 "$DSF"
+    for dtype in bfloat16 int8 int4; do shape smollm2_135m "$dtype"; done
+    # The decode loop and its conditionals recorded as CUDA graphs (s3d_jax/gpu.py; off by default).
+    shape smollm2_135m float32 S3D_JAX_CUDA_GRAPHS=1
     # What an iteration of each kind costs in the compiled loop, against a plain one.
     python3 tools/decode_ab.py --shape smollm2_135m --per-iteration 40 2>> "$OUT/passes.log" || echo "failed: see $OUT/passes.log"
   } | tee "$OUT/passes.txt" ;;
+qwen-passes)
+  for dtype in float32 bfloat16 int8 int4; do
+    DRAFTER=s3d_jax/drafters/Qwen2.5-Coder-0.5B-Instruct.safetensors shape qwen2_5_coder_0_5b "$dtype"
+  done | tee "$OUT/qwen_passes.txt" ;;
 bench)
   PEERS=""
   python3 -c "import torch" 2>/dev/null && PEERS="hf,hf_early_exit,hf_prompt_lookup"

@@ -57,13 +57,15 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="measure the drafter file's acceptance profile on N held-out prompts and write it into the file")
     p.add_argument("--shape", choices=sorted(SHAPES), help="print the pass costs here of random weights of this named shape, "
-                   "and the speedup predicted at the shipped drafter's acceptance")
+                   "and the speedup predicted at the shipped drafter's acceptance (or at that of the one file --drafters names)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="with --shape: the weights' dtype")
     p.add_argument("--out", default="results/predict")
     args = p.parse_args(argv)
 
     if args.shape:
-        return shape_costs(args.shape, args.dtype)
+        if len(args.drafters) > 1:
+            p.error("--shape takes at most one drafter file in --drafters")
+        return shape_costs(args.shape, args.dtype, args.drafters[0] if args.drafters else None)
     if args.profile:
         if len(args.drafters) != 1 or not args.drafters[0].endswith(drafter_lib.SUFFIX):
             p.error("--profile writes into one drafter file: give it as --drafters FILE")
