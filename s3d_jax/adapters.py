@@ -33,6 +33,7 @@ class DraftLoRA(nn.Module):
     init_a: Callable  # A's initializer (the model's own); B starts at zero, so an adapter starts as a no-op
     slot_parts: tuple[int, ...] | None = None  # the part of each slot of a fused output; None: one part
     slot_axis: int = 0
+    activations: str = "float32"  # how the projection's product reads x (`ModelConfig.activations`)
 
     @nn.compact
     def __call__(self, x, layer, entry, projection):
@@ -41,7 +42,7 @@ class DraftLoRA(nn.Module):
         n_in, r, L = len(self.in_shape), self.rank, self.layers
         parts = 1 if self.slot_parts is None else max(self.slot_parts) + 1
         a = self.param("a", self.init_a, (L, *self.in_shape, parts * r), self.dtype)
-        y, low = ops.matmuls(x, (projection, a), n_in, self.precision, at=(layer, entry))
+        y, low = ops.matmuls(x, (projection, a), n_in, self.precision, at=(layer, entry), activations=self.activations)
         if self.slot_parts is None:
             b = self.param("b", nn.initializers.zeros, (L, r, *self.out_shape), self.dtype)
             return y, ops.matmul(low, b, 1, self.precision, at=entry)

@@ -16,7 +16,7 @@ import numpy as np
 from s3d_jax import bundled, checkpoint, compile_cache, cpu, decoding, planning, sharding
 from s3d_jax import drafter as drafter_lib
 from s3d_jax.checkpoint import Model
-from s3d_jax.config import ConfigError, ModelConfig
+from s3d_jax.config import ACTIVATION_MODES, ConfigError, ModelConfig
 from s3d_jax.metrics import acceptance_per_depth, tokens_per_iteration
 from s3d_jax.model import full_pass, lm_logits
 from s3d_jax.options import DecodeOptions, bucket, check_int, prompt_bucket
@@ -31,6 +31,7 @@ def load(
     drafter: str | os.PathLike | None = BUNDLED_DRAFTER,
     draft_vocab_size: int | None = None,
     mesh: jax.sharding.Mesh | str | None = None,
+    activations: str = "float32",
 ) -> Model:
     """Loads a converted model; with no path, the bundled SmolLM2-135M-Instruct (converted on first use).
 
@@ -40,8 +41,13 @@ def load(
     applies the drafter shipped for a model loaded by name, and nothing to a model loaded from a path.
     `draft_vocab_size` overrides the drafter's reduced draft head: N most frequent tokens, 0 for all.
     `mesh` (a Mesh with a `model` axis, or text such as "model=4") splits the model over devices,
-    tensor-parallel; decoding then runs over them with the same outputs (docs/usage.md, "Several devices")."""
+    tensor-parallel; decoding then runs over them with the same outputs (docs/usage.md, "Several devices").
+    `activations="int8"` has a 4-bit weight's products on a CPU quantize the activations per row and
+    block of 16 and sum integers, llama.cpp's way: faster, slightly other numbers (docs/models.md,
+    "Integer activations"); "float32", the default, reads them as they are."""
     compile_cache.enable()  # before anything compiles: a later process loads the decode loops instead
+    if activations not in ACTIVATION_MODES:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, got {activations!r}")
     if drafter is not None and not isinstance(drafter, (str, os.PathLike)):
         raise TypeError(f"drafter must be a path to a drafter file or None, got {type(drafter).__name__}")
     named = bundled.named(path) if path is None or bundled.is_name(path) else None
@@ -55,6 +61,8 @@ def load(
     if mesh is not None:  # before any weight is read, so that a mesh the model cannot use costs nothing
         sharding.check_divides(checkpoint.load_config(path if named is None else bundled.ensure_converted(model=named)), mesh)
     model = checkpoint.load(path, dtype, mesh) if named is None else bundled.load(dtype, mesh, named)
+    if activations != model.config.activations:
+        model = dataclasses.replace(model, config=model.config.replace(activations=activations))
     if drafter is not None:
         model = drafter_lib.apply(model, drafter, draft_vocab_size, reuse_base=True)
     if mesh is not None:  # the drafter's arrays, made on one device, join the layout

@@ -40,8 +40,8 @@ import numpy as np
 from s3d_jax import sharding, tree
 from s3d_jax.cache import KVCache
 from s3d_jax.checkpoint import Model
-from s3d_jax.decoding import compile_ahead
-from s3d_jax.kernel import build, dispatch, ffi
+from s3d_jax.decoding import compile_ahead, few_row_batch
+from s3d_jax.kernel import build, ffi
 from s3d_jax.options import DEFAULT_GAMMA
 from s3d_jax.paths import cache_root
 from s3d_jax.settings import env_setting, env_switch, usable_cores
@@ -79,7 +79,7 @@ def pass_timer(model, pass_fn, context: int = 256, repeats: int = 20, rows: int 
             return jax.lax.fori_loop(0, repeats, body, jnp.zeros((), jnp.float32))
 
     # Compiled as the decode loop is; not kept in its cache, since `loop` closes over `pass_fn`.
-    few_rows = rows * (DEFAULT_GAMMA + 2) <= dispatch.MAX_ROWS  # as a loop of γ = 4 decides (`decoding.Run.few_row_passes`)
+    few_rows = few_row_batch(rows)  # as the decode loop decides
     fn, _ = compile_ahead(jax.jit(loop, static_argnames="few_row_kernel"), model.params, cache, few_row_passes=few_rows)
     jax.block_until_ready(fn(model.params, cache))  # warm up
 
@@ -223,7 +223,7 @@ def machine() -> str:
 # What the measured passes are, as a number: raise it with a change that alters what a pass costs
 # (the loop, a pass's program), so that calibrations made before it are measured again. The key
 # names what costs depend on: the machine, the model's shapes and dtype, the kernel build, and this.
-PASSES_VERSION = 1
+PASSES_VERSION = 2
 
 
 @functools.cache

@@ -24,6 +24,7 @@ DTYPES = {**FLOAT_DTYPES, **{name: jnp.float32 for name in QUANTIZED_DTYPES}}
 # Activations and the KV cache at every dtype: rounded to 16 bits, a verify pass's last-bit differences
 # from a one-token step would become visible ones (docs/design.md, "Precision").
 COMPUTE_DTYPE = jnp.float32
+ACTIVATION_MODES = ("float32", "int8")  # ModelConfig.activations
 QUANT_GROUP = 32  # a quantized weight's entries per scale, along its input (s3d_jax/quant.py)
 # A quantized weight's format by name (`quant.Format`): int8 or int4, then -g16 (groups of 16),
 # -min (an int8 minimum), -f32 (int4's float32 scales).
@@ -118,6 +119,10 @@ class ModelConfig:
     # A quantized model's weights held in other formats than its dtype's, as (name, format) pairs: a
     # GGUF's blocks kept exactly (`quant.Format`), e.g. ("down", "int8-g16-min") for Q4_K and Q6_K layers.
     weight_formats: tuple[tuple[str, str], ...] = ()
+    # How a 4-bit weight's products read the activations on a CPU: "float32" as they are, or "int8",
+    # quantized per row and block of 16 inputs and summed with integer multiply-adds (llama.cpp's way:
+    # faster for several rows, slightly other numbers). A loading choice, not the weights'.
+    activations: str = "float32"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # types first: a JSON "64" or true is not an int
@@ -126,6 +131,8 @@ class ModelConfig:
             raise ConfigError(f"unknown architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
+        if self.activations not in ACTIVATION_MODES:
+            raise ConfigError(f"unsupported activations {self.activations!r}; supported: {', '.join(ACTIVATION_MODES)}")
         if self.draft_dtype is not None and self.draft_dtype not in FLOAT_DTYPES:
             raise ConfigError(f"unsupported draft_dtype {self.draft_dtype!r}; supported: {', '.join(FLOAT_DTYPES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",

@@ -291,6 +291,11 @@ def kernel_applies(args) -> bool:
     return ffi.switched_on() and not sharded(args)
 
 
+def few_row_batch(rows: int) -> bool:
+    """Whether a decode loop over `rows` sequences compiles with the few-row CPU options (`Run.few_row_passes`)."""
+    return rows * 2 <= dispatch.MAX_ROWS
+
+
 def compile_ahead(fn, *args, few_row_passes: bool = False, **statics):
     """`fn` (jitted; a model's passes take a static `few_row_kernel`) lowered and compiled for the shapes
     and placements of `args` (arrays or ShapeDtypeStructs); returns (executable, seconds). Every
@@ -365,9 +370,11 @@ class Run:
 
     @property
     def few_row_passes(self) -> bool:
-        """Whether the loop's passes are products of a few rows (batch x the tokens a pass runs per
-        row), which the decode loop's CPU options suit; a large batch's are not (docs/cpu.md)."""
-        return len(self.prompts) * (self.plan.block + 1) <= dispatch.MAX_ROWS
+        """Whether the loop's passes are products of a few rows, which the decode loop's CPU options
+        suit; a large batch's are not (docs/cpu.md). Decided by the batch alone, as a plain step's two
+        tokens a row, so that a plain and a speculative loop of one batch compile alike: options that
+        order XLA's sums differently would part their results in the last bit."""
+        return few_row_batch(len(self.prompts))
 
     def _prefill_args(self):
         return (

@@ -81,10 +81,10 @@ def linear(module: nn.Module, name: str, x, layer, in_shape, out_shape, draft: b
         low, high = c.draft_skip  # the adapters' stacks hold the draft layers only, in order
         skipped = high - low + 1
         lora = DraftLoRA(c.draft_lora_rank, L - skipped, tuple(in_shape), tuple(out_shape), c.draft_jnp_dtype, c.precision,
-                         init_normal, slot_parts, slot_axis, name=f"{name}_lora")
+                         init_normal, slot_parts, slot_axis, c.activations, name=f"{name}_lora")
         y, update = lora(x, layer, jnp.where(layer < low, layer, layer - skipped), w)
     else:
-        y = ops.linear(x, w, layer, len(in_shape), c.precision)
+        y = ops.linear(x, w, layer, len(in_shape), c.precision, c.activations)
     if bias:
         y = y + ops.entry(module.param(f"{name}_bias", nn.initializers.zeros, (L, *out_shape), c.jnp_dtype), layer)
     return y if update is None else y + update
@@ -217,7 +217,7 @@ class Transformer(nn.Module):
 
     def logits(self, hidden_BTD):
         """Float32 logits over the whole embedding table (the mask row included)."""
-        return ops.head(hidden_BTD, self.head(), self.config.precision)
+        return ops.head(hidden_BTD, self.head(), self.config.precision, self.config.activations)
 
     def context_logits(self, hidden_BTD, ids_BL, counts_B):
         """Float32 logits of each row at its first `counts[b]` token ids `ids_BL`, `[B, T, L]` (the rest: any value)."""

@@ -85,9 +85,9 @@ def weight_init(config: ModelConfig, name: str, held, in_shape: tuple, out_shape
     return init, (*in_shape, *out_shape), config.jnp_dtype
 
 
-def linear(x, stack, layer, n_in: int = 1, precision=None):
+def linear(x, stack, layer, n_in: int = 1, precision=None, activations="float32"):
     """`x @ stack[layer]` over x's last `n_in` axes: a layer's projection, read in place in its stack."""
-    return matmul(x, stack, n_in, precision, at=layer)
+    return matmul(x, stack, n_in, precision, at=layer, activations=activations)
 
 
 def embed(table_DV, tokens_BT):
@@ -95,9 +95,9 @@ def embed(table_DV, tokens_BT):
     return jnp.moveaxis(dispatch.columns(table_DV, tokens_BT), 0, -1)
 
 
-def head(hidden_BTD, table_DV, precision=None):
+def head(hidden_BTD, table_DV, precision=None, activations="float32"):
     """Float32 scores `[B, T, V]` of the hidden states against every column of a vocabulary table."""
-    return matmul(hidden_BTD, table_DV, precision=precision, preferred_element_type=jnp.float32)
+    return matmul(hidden_BTD, table_DV, precision=precision, preferred_element_type=jnp.float32, activations=activations)
 
 
 def select_columns(table_DV, ids, float_dtype):

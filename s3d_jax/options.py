@@ -9,7 +9,7 @@ import dataclasses
 import math
 import numbers
 
-from s3d_jax.config import DTYPES
+from s3d_jax.config import ACTIVATION_MODES, DTYPES
 
 METHODS = ("ar", "s3d", "selfspec")
 DEFAULT_GAMMA = 4
@@ -181,6 +181,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft over the drafter's N most frequent tokens (0: the full vocabulary; default: the drafter's)")
     parser.add_argument("--dtype", default=None, choices=tuple(DTYPES),
                         help="cast the weights on loading, or quantize the projections' (int8) (default: the checkpoint's own)")
+    parser.add_argument("--activations", default="float32", choices=ACTIVATION_MODES,
+                        help="int8: a 4-bit weight's products quantize the activations and sum integers on a CPU (faster, "
+                             "slightly other numbers); float32 (default): as they are")
     parser.add_argument("--mesh", default=None, metavar="model=N[,data=M]",
                         help="split the model over N devices, tensor-parallel (default: one device)")
 
@@ -188,4 +191,4 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def load_arguments(args: argparse.Namespace) -> dict:
     """`s3d_jax.load` keywords from `add_model_arguments` flags (plain values: a benchmark sends them to a child)."""
     return {"path": args.model, "drafter": None if args.drafter == "none" else args.drafter, "draft_vocab_size": args.draft_vocab,
-            "dtype": args.dtype, "mesh": args.mesh}
+            "dtype": args.dtype, "mesh": args.mesh, "activations": args.activations}

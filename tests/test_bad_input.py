@@ -261,6 +261,7 @@ CONFIG_CASES = [
     (dict(draft_gamma=0), r"config field draft_gamma must be a positive integer, got 0"),
     (dict(mask_token_id=96), r"mask_token_id 96 is outside the vocabulary"),
     (dict(draft_dtype="int8"), r"unsupported draft_dtype 'int8'; supported: float32, bfloat16, float16"),
+    (dict(activations="int4"), r"unsupported activations 'int4'; supported: float32, int8"),
 ]
 
 
@@ -305,6 +306,8 @@ def test_loading_a_bad_config_file_is_a_checkpoint_error(tmp_path, text, message
 def test_load_refuses_an_unknown_dtype_before_reading(tmp_path):
     with pytest.raises(ConfigError, match=r"unsupported dtype 'float64'"):
         s3d_jax.load(tmp_path, dtype="float64")
+    with pytest.raises(ValueError, match=r"activations must be one of float32, int8, got 'bfloat16'"):
+        s3d_jax.load(tmp_path, activations="bfloat16")
 
 
 # ------------------------------------------------------------------ the generate command line
@@ -321,6 +324,7 @@ ARGPARSE_CASES = [  # refused by argparse: exit 2, "error: argument ..." on stde
     (["--chunk", "-1"], r"argument --chunk: must be >= 1, got -1"),
     (["--max-new-tokens", "2.5"], r"argument --max-new-tokens: invalid int value: '2.5'"),
     (["--method", "beam"], r"argument --method: invalid choice: 'beam'"),
+    (["--activations", "int4"], r"argument --activations: invalid choice: 'int4'"),
 ]
 
 CLI_CASES = [  # refused by the project: exit 2 and "error: ..." on stderr

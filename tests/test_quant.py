@@ -119,6 +119,53 @@ def test_more_rows_and_gradients_use_the_dequantized_weight(fmt):
     np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.tensordot(x, dense, 2).sum())(few), rtol=1e-5, atol=1e-5)
 
 
+def int8_activation_product(x, q):
+    """The product that int8 activations define (few_rows.cc, `Int8Rows`), in float64: each row's x
+    quantized per block of 16 to round(x * 127 / max|x|), integer sums of codes, then the block's scales."""
+    codes = quant.unpack_nibbles(np.asarray(q["values"]), 1).astype(np.int64)  # [K, N]
+    group = codes.shape[0] // q["scale"].shape[0]
+    scale, low = (np.repeat(np.asarray(q[k], np.float64), group // 16, axis=0) for k in ("scale", "min"))  # per block
+    blocks = x.reshape(x.shape[0], -1, 16)  # float32, as the kernel rounds them
+    largest = np.abs(blocks).max(-1, keepdims=True)
+    inverse = np.where(largest > 0, np.float32(127) / np.where(largest > 0, largest, 1), np.float32(0))
+    x_codes = np.rint(blocks * inverse).astype(np.int64)
+    sums = np.einsum("tbi,bin->tbn", x_codes, codes.reshape(-1, 16, codes.shape[1]))
+    return (np.einsum("tbn,bn->tn", sums * (largest.astype(np.float64) / 127), scale)
+            + np.einsum("tb,bn->tn", blocks.astype(np.float64).sum(-1), low))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["int4", "int4-f32", "int4-g16"])
+@pytest.mark.parametrize("rows", [1, 5, 13])
+def test_int8_activations_sum_each_rows_quantized_activations_exactly(fmt, rows):
+    """`activations="int8"`: a 4-bit weight's product is the integer product of each row's int8 codes
+    (to float32 rounding), a row's result the same alone and beside others, and within about 1% of the
+    float product. 40 columns: two vectors of 16 and 8 in the scalar tail."""
+    k = 96
+    q = jax.tree.map(jnp.asarray, quant.quantize(random((k, 40), 1), 1, quant.Format.parse(fmt)))
+    x = random((rows, k), 2)
+    x[0, :16] = 0.0  # a block of zeros: codes and scale 0, not NaN
+    product = jax.jit(lambda x, w: dispatch.matmul(x, w, activations="int8"))
+    got = np.asarray(product(x, q))
+    np.testing.assert_allclose(got, int8_activation_product(x, q), rtol=1e-5, atol=1e-5)
+    for t in range(rows):
+        np.testing.assert_array_equal(got[t:t + 1], np.asarray(product(x[t:t + 1], q)))
+    exact = np.asarray(x, np.float64) @ np.asarray(quant.dequantize(q, 1), np.float64)
+    assert 0 < np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
+
+
+def test_int8_activations_keep_quantized_speculative_greedy_exact(quantized_model):
+    """Int8 activations change a 4-bit model's numbers (an int8 model's stay float), and S3D, trees and
+    the context branch still reproduce plain greedy decoding of that model token for token."""
+    model = dataclasses.replace(quantized_model, config=quantized_model.config.replace(activations="int8"))
+    prompts = [[5, 17, 3, 40], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]]
+    for options in (dict(gamma=3, skip=(1, 4), tree=0), dict(gamma=2, skip=(1, 4), tree=6, lookup=True)):
+        assert_exact(model, prompts, method="s3d", max_new_tokens=24, eos_token_ids=(), min_certainty=0.0, **options)
+    ids = np.random.default_rng(0).integers(0, 90, (1, 3))  # a few rows: the kernel's products
+    moved = np.abs(np.asarray(s3d_jax.logits(model, ids)) - np.asarray(s3d_jax.logits(quantized_model, ids))).max()
+    assert (moved > 0) == (model.config.dtype == "int4" and ffi.available())
+
+
 def test_a_quantized_model_is_the_float_model_of_its_dequantized_weights(quantized_model):
     ids = np.random.default_rng(0).integers(0, 90, (2, 9))
     # More rows than the kernel takes: XLA's dot, which may sum a dequantized weight in another order.

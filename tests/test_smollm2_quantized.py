@@ -42,3 +42,12 @@ def test_bfloat16_with_the_shipped_drafter_is_exact(smollm2_dir):
     assert model.params["layers"]["mlp"]["down"].dtype == jnp.bfloat16
     new_tokens = 2 * NEW_TOKENS
     assert_exact(model, CHATS, chat=True, max_new_tokens=new_tokens, min_certainty=0.0, tree=4, lookup=True)
+
+
+def test_int4_with_int8_activations_is_exact():
+    """int8 activations round each row's input to a product (few_rows.cc, `Int8Rows`): a verify pass's
+    rows equal one-token steps bit for bit, so a last-bit difference never becomes a rounding step, and
+    S3D with a tree and the context branch reproduces plain greedy at that precision too."""
+    model = drafter.apply(s3d_jax.load(dtype="int4", activations="int8"), bundled.DRAFTER)
+    assert model.config.activations == "int8"
+    assert_exact(model, CHATS, chat=True, max_new_tokens=NEW_TOKENS, min_certainty=0.0, tree=8, lookup=True)

@@ -7,8 +7,9 @@ import pytest
 from reference import assert_exact, numpy_logits, tiny_model
 
 import s3d_jax
-from s3d_jax import api, decoding, planning, sampling, tree
+from s3d_jax import api, decoding, planning, sampling, speculative, tree
 from s3d_jax.cache import KVCache, cached_forward, prompt_forward
+from s3d_jax.kernel import ffi
 
 
 @pytest.fixture(scope="module")
@@ -60,19 +61,44 @@ def test_tree_is_the_best_paths_and_closed_under_parents(size, gamma):
     assert best_outside <= scores[-1] + 1e-5
 
 
-@pytest.mark.parametrize("size", [5, 12])
-def test_every_node_sees_exactly_its_path(model, size):
-    """Each node's verifier logits equal a plain recompute of prefix + root-to-node path."""
+def _verified_tree(model, size):
+    """A tree of `size` nodes of random drafts under root 11 after a random prefix of 7, verified:
+    (prefix, the cache after it, the tree, the nodes' verifier logits)."""
     config = model.config
     prefix = np.random.default_rng(size).integers(0, 95, 7).tolist()
     cache = _cache_after(model, prefix)
     draft_logits = jax.random.normal(jax.random.key(size), (1, 4, config.vocab_size)).at[..., config.mask_token_id].set(-jnp.inf)
     nodes = tree.build(jnp.asarray([11]), draft_logits, size)
-    logits, _ = tree.verify(model.params, config, cache, nodes, 4)
+    return prefix, cache, nodes, tree.verify(model.params, config, cache, nodes, 4)[0]
+
+
+@pytest.mark.parametrize("size", [5, 12])
+def test_every_node_sees_exactly_its_path(model, size):
+    """Each node's verifier logits equal a plain recompute of prefix + root-to-node path."""
+    config = model.config
+    prefix, _, nodes, logits = _verified_tree(model, size)
     for i, path in enumerate(_paths(nodes)):
         reference = numpy_logits(model, prefix + [11] + path)[-1]
         np.testing.assert_allclose(np.asarray(logits)[0, i, : config.mask_token_id], reference[: config.mask_token_id], atol=1e-4,
                                    err_msg=f"node {i}, path {path}")
+
+
+@pytest.mark.skipif(not ffi.available(), reason="the few-row kernel's attention is what orders the sums alike")
+@pytest.mark.parametrize("size", [5, 12])
+def test_every_node_s_logits_equal_plain_steps_bit_for_bit(size):
+    """A node's verifier logits are those of one-token steps over its root-to-node path, to the last bit:
+    its ancestors in the block are summed where the steps find them, in the cache (few_rows.cc,
+    `Ancestors`). Rounded activations (int8, 16-bit) then keep S3D exact. Heads of 32: the kernel's attention."""
+    model = tiny_model(seed=1, hidden_size=64, intermediate_size=96, num_heads=2, num_kv_heads=1, head_dim=32)
+    config = model.config
+    _, cache, nodes, logits = _verified_tree(model, size)
+    step = jax.jit(lambda cache, token: speculative.verify(model.params, config, cache, token, jnp.zeros((1, 0), jnp.int32)))
+    for i, path in enumerate(_paths(nodes)):
+        stepped = cache
+        for token in [11, *path]:
+            step_logits, stepped = step(stepped, jnp.asarray([token]))
+            stepped = stepped.replace(lengths=stepped.lengths + 1)
+        np.testing.assert_array_equal(np.asarray(logits)[0, i], np.asarray(step_logits)[0, 0], err_msg=f"node {i}, path {path}")
 
 
 def test_the_greedy_path_written_in_its_order_is_plain_decoding_s_cache(model):

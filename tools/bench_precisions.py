@@ -4,10 +4,13 @@ and how often each precision's greedy tokens agree with float32's.
     python tools/bench_precisions.py                                     # bundled SmolLM2: float32, bfloat16, int8, int4
     python tools/bench_precisions.py --dtypes float32,int8 --suite humaneval --limit 5
     python tools/bench_precisions.py --llama-cpp                         # and llama.cpp at each precision
+    python tools/bench_precisions.py --dtypes float32,int4,int4@int8 --llama-cpp   # int4 with int8 activations too
 
 With --llama-cpp (the optional extra llama-cpp-python), llama.cpp decodes the same prompts greedily
 from the model's GGUF at the same precision: the shipped file for int4, and for the others a
 copy of it made with the `gguf` package (Q8_0 for int8, BF16, F32), cached beside the converted models.
+A precision `DTYPE@int8` is DTYPE's weights with int8 activations (`s3d_jax.load(..., activations="int8")`),
+beside the same llama.cpp run as DTYPE.
 
 Every engine (precision x method) runs in a process of its own (`s3d_jax.bench.harness`), so its peak
 memory is its own. Ratios: plain at each precision against float32 plain, S3D against plain of the
@@ -28,7 +31,7 @@ from s3d_jax import bundled
 from s3d_jax.bench import harness, llama_cpp_peer
 from s3d_jax.bench.__main__ import method_request
 from s3d_jax.bench.suites import SUITES, BenchError, load_suite
-from s3d_jax.config import DTYPES
+from s3d_jax.config import ACTIVATION_MODES, DTYPES
 from s3d_jax.metrics import memory_normalised_speedup, tokens_per_iteration
 from s3d_jax.options import DecodeOptions, add_model_arguments, load_arguments
 from s3d_jax.paths import cache_root
@@ -37,7 +40,8 @@ from s3d_jax.paths import cache_root
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="tools/bench_precisions.py", description=__doc__.splitlines()[0])
     add_model_arguments(p)
-    p.add_argument("--dtypes", default="float32,bfloat16,int8,int4", help=f"precisions among {', '.join(DTYPES)}; float32 first")
+    p.add_argument("--dtypes", default="float32,bfloat16,int8,int4",
+                   help=f"precisions among {', '.join(DTYPES)}, each optionally @int8 (int8 activations); float32 first")
     p.add_argument("--llama-cpp", action="store_true", help="also llama.cpp at each precision (needs llama-cpp-python)")
     p.add_argument("--suite", default="mt_bench", choices=SUITES)
     p.add_argument("--limit", type=int, default=5, help="prompts of the suite")
@@ -45,16 +49,26 @@ def parse_args(argv=None):
     p.add_argument("--out", default="results/precisions")
     args = p.parse_args(argv)
     args.dtype_list = [d for d in args.dtypes.split(",") if d]
-    unknown = [d for d in args.dtype_list if d not in DTYPES]
+    unknown = [d for d in args.dtype_list if weights(d) not in DTYPES or activations(d) not in ACTIVATION_MODES]
     if unknown or not args.dtype_list or args.dtype_list[0] != "float32":
         p.error(f"--dtypes must start with float32 (the reference) and name only {', '.join(DTYPES)}; got {args.dtypes!r}")
     if args.limit < 1:
         p.error(f"--limit must be at least 1, got {args.limit}")
     if args.llama_cpp and args.model and not bundled.is_name(args.model):
         p.error("--llama-cpp runs a named model's GGUF (--model smollm2-135m or qwen2.5-coder-0.5b), not a model directory's")
-    if args.llama_cpp and set(args.dtype_list) - set(GGUF_TYPES):
-        p.error(f"--llama-cpp has no GGUF for {', '.join(sorted(set(args.dtype_list) - set(GGUF_TYPES)))}")
+    if args.llama_cpp and {weights(d) for d in args.dtype_list} - set(GGUF_TYPES):
+        p.error(f"--llama-cpp has no GGUF for {', '.join(sorted({weights(d) for d in args.dtype_list} - set(GGUF_TYPES)))}")
     return args
+
+
+def weights(precision: str) -> str:
+    """The weights' dtype of a precision (`int4@int8`: int4)."""
+    return precision.partition("@")[0]
+
+
+def activations(precision: str) -> str:
+    """The activations of a precision (`int4@int8`: int8; `int4`: float32)."""
+    return precision.partition("@")[2] or "float32"
 
 
 # llama.cpp's block type at each precision: int4 is the model's own GGUF (the bundled SmolLM2's is
@@ -122,7 +136,8 @@ def render(rows: list[dict]) -> str:
                   "| precision (GGUF) | llama.cpp tokens/s | llama.cpp peak MiB | our plain vs llama.cpp | our plain peak vs llama.cpp's |",
                   "|" + " --- |" * 5]
         for r in peers:
-            lines.append(f"| {r['dtype']} ({GGUF_TYPES[r['dtype']]}) | {r['llama_cpp_tokens_per_s']:.1f} | {r['llama_cpp_peak_mib']:.0f} | "
+            lines.append(f"| {r['dtype']} ({GGUF_TYPES[weights(r['dtype'])]}) | {r['llama_cpp_tokens_per_s']:.1f} | "
+                         f"{r['llama_cpp_peak_mib']:.0f} | "
                          f"{r['plain_vs_llama_cpp']:.2f}x | {r['plain_peak_mib'] / r['llama_cpp_peak_mib']:.2f}x |")
     return "\n".join(lines)
 
@@ -161,14 +176,19 @@ def main(argv=None) -> int:
     decode = DecodeOptions(max_new_tokens=args.max_new_tokens)
     results: dict[str, dict[str, dict]] = {}
     for dtype in args.dtype_list:
-        load = {**load_arguments(args), "dtype": dtype}
+        load = {**load_arguments(args), "dtype": weights(dtype), "activations": activations(dtype)}
         for method in ("ar", "s3d"):
             print(f"running {method} in {dtype} on {args.limit} {args.suite} prompts ...", file=sys.stderr, flush=True)
             request = method_request(method, load, prompts, decode)
             results.setdefault(dtype, {})[method] = harness.run_engine(["-m", "s3d_jax.bench.methods"], request)
-        if args.llama_cpp:
-            print(f"running llama.cpp on the {GGUF_TYPES[dtype]} GGUF ...", file=sys.stderr, flush=True)
-            request = {"gguf": gguf_for(dtype, args.model), "tokenizer": str(bundled.ensure_converted(model=bundled.named(args.model))),
+        ran = next((engines["llama_cpp"] for d, engines in results.items()
+                    if weights(d) == weights(dtype) and "llama_cpp" in engines), None)
+        if args.llama_cpp and ran is not None:  # the same GGUF as another precision's: its run serves both rows
+            results[dtype]["llama_cpp"] = ran
+        elif args.llama_cpp:
+            print(f"running llama.cpp on the {GGUF_TYPES[weights(dtype)]} GGUF ...", file=sys.stderr, flush=True)
+            request = {"gguf": gguf_for(weights(dtype), args.model),
+                       "tokenizer": str(bundled.ensure_converted(model=bundled.named(args.model))),
                        "prompts": prompts,
                        "max_new_tokens": args.max_new_tokens, "lookup": False, "stop_at_eos": True}
             results[dtype]["llama_cpp"] = harness.run_engine(["-m", "s3d_jax.bench.llama_cpp_peer"], request)

@@ -32,10 +32,14 @@ QUANTIZED_WEIGHT_DTYPES = (jnp.int8, jnp.uint8)  # an int8 or int4 weight's valu
 WEIGHT_DTYPES = (*INPUT_DTYPES, *QUANTIZED_WEIGHT_DTYPES)
 
 
-def applies(rows: int, x_dtype, w_dtype) -> bool:
-    """Whether `matmul` uses the kernel for this product (decided when tracing)."""
+def applies(rows: int, x_dtype, w_dtype, activations: str = "float32") -> bool:
+    """Whether `matmul` uses the kernel for this product (decided when tracing). With int8 activations
+    every weight's products stay in the kernel up to `MAX_NARROW_ROWS`: a pass of 17 to 64 rows would
+    otherwise sum a float32 weight's products in XLA's order, not a step's, and the next product's
+    rounding of its input to int8 would turn that last-bit difference into a visible one."""
+    wide = w_dtype != jnp.float32 or activations == "int8"
     return (
-        0 < rows <= (MAX_ROWS if w_dtype == jnp.float32 else MAX_NARROW_ROWS)
+        0 < rows <= (MAX_NARROW_ROWS if wide else MAX_ROWS)
         and x_dtype in INPUT_DTYPES
         and w_dtype in WEIGHT_DTYPES
         and ffi.on_one_cpu()
@@ -73,18 +77,19 @@ def tensordot(x, w, n_in: int = 1, precision=None, preferred_element_type=None):
     return jnp.tensordot(x, w, axes=n_in, precision=precision, preferred_element_type=preferred_element_type)
 
 
-def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None, at=None):
+def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None, at=None, activations="float32"):
     """`x @ w` over x's last `n_in` axes and w's first `n_in`, as `jnp.tensordot` with the same
     arguments; `w` may be a quantized weight (`quant`), which stands for its float32 value. With
     `at` (a traced index), `w` is a stack of weights `[L, ...]` and the product is with `w[at]`.
 
     With a 16-bit weight and float32 x (the model's activations), the kernel widens the weight in
     registers and multiplies x as it is; XLA's dot multiplies x rounded to the weight's type, its
-    fast form (`tensordot`). Either way the result is float32."""
-    return matmuls(x, (w,), n_in, precision, preferred_element_type, at)[0]
+    fast form (`tensordot`). Either way the result is float32. `activations="int8"` has the kernel
+    quantize x for a 4-bit weight (`ModelConfig.activations`); XLA's dot always reads x as it is."""
+    return matmuls(x, (w,), n_in, precision, preferred_element_type, at, activations)[0]
 
 
-def matmuls(x, weights, n_in: int = 1, precision=None, preferred_element_type=None, at=None):
+def matmuls(x, weights, n_in: int = 1, precision=None, preferred_element_type=None, at=None, activations="float32"):
     """`matmul(x, w, ...)` for each w of `weights`, in one kernel call where the kernel applies to them
     all: a draft adapter's A factor beside its projection, whose threads then take both products'
     parts from one hand-off (docs/cpu.md, "The few-row kernel"). Weights after the first are
@@ -97,7 +102,7 @@ def matmuls(x, weights, n_in: int = 1, precision=None, preferred_element_type=No
     values = [stacks[0]["values"] if quantized else stacks[0], *stacks[1:]]
     lead = x.shape[: x.ndim - n_in]
     rows = math.prod(lead)
-    if not all(applies(rows, x.dtype, v.dtype) and (i == 0 or v.dtype in INPUT_DTYPES) for i, v in enumerate(values)):
+    if not all(applies(rows, x.dtype, v.dtype, activations) and (i == 0 or v.dtype in INPUT_DTYPES) for i, v in enumerate(values)):
         return tuple(_xla_matmul(x, v, n_in, precision, preferred_element_type, a) for v, a in zip(weights, ats))
     K = math.prod(x.shape[x.ndim - n_in:])
     x_MK = x.reshape(rows, K).astype(jnp.float32)  # exact from 16 bits
@@ -105,7 +110,8 @@ def matmuls(x, weights, n_in: int = 1, precision=None, preferred_element_type=No
     beside_LKN = tuple(b.reshape(b.shape[0], K, -1) for b in stacks[1:])
     if quantized:
         N = math.prod(values[0].shape[1 + n_in:])
-        ys = ffi.quantized_product(x_MK, {k: v.reshape(v.shape[0], -1, N) for k, v in stacks[0].items()}, at, beside_LKN)
+        ys = ffi.quantized_product(x_MK, {k: v.reshape(v.shape[0], -1, N) for k, v in stacks[0].items()}, at, beside_LKN,
+                                   activations == "int8")
     else:
         ys = ffi.product(x_MK, stacks[0].reshape(stacks[0].shape[0], K, -1), at, beside_LKN)
     dtypes = [x.dtype if quantized else values[0].dtype, *(b.dtype for b in beside)]

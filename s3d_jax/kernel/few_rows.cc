@@ -11,7 +11,8 @@
 // once, 8 rows of it at a time, for all of x's rows together; x's row t is accumulated in y's row t,
 // which stays in the L1 cache. A bfloat16 or float16 weight is widened to float32 in registers
 // (exactly), so it sums the same way as its float32 value would; a quantized one is summed as codes
-// and scaled once per group (`AccumulateCodes`). Each output element is
+// and scaled once per group (`AccumulateCodes`); with int8 activations, an int4 weight's codes are
+// multiplied by each row's int8 codes in integers (`Int8Rows`). Each output element is
 // summed over k in the same order whatever the number of rows or threads, so a token's logits do
 // not depend on how many tokens share its pass.
 #include <algorithm>
@@ -474,19 +475,136 @@ struct Product {
   int64_t N, part_columns, parts;
 };
 
-// x [M, K] by one weight's reader into y [M, N], `share` columns per thread, streamed in long
-// contiguous runs of the weight's rows: in one part, or in as many equal parts as keep each run
-// within kPartBytes, so that every thread claims the same number of parts.
-template <typename W>
-Product Plan(const float* x, W reader, float* y, int64_t M, int64_t K, int64_t share) {
+// One weight's reader into y [M, N], `share` columns per thread, streamed in long contiguous runs of
+// the weight's rows: in one part, or in as many equal parts as keep each run within kPartBytes, so
+// that every thread claims the same number of parts. `sweep(m, rows, n0, n1)` computes y's columns
+// [n0, n1) for rows [m, m + rows) of x.
+template <typename W, typename Sweep>
+Product PlanColumns(const W& reader, int64_t M, int64_t share, Sweep sweep) {
   const int64_t N = reader.N;
   const int64_t rounds = std::max<int64_t>(1, CeilDiv(share * int64_t{sizeof(*reader.w)}, kPartBytes));
   const int64_t part_columns = std::max<int64_t>(kMinPartColumns, CeilDiv(CeilDiv(share, rounds), kColumnAlign) * kColumnAlign);
   auto columns = [=](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kSweepRows<W>)
-      kColumns<W>[std::min(kSweepRows<W>, M - m)](x + m * K, &reader, y + m * N, K, n0, n1);
+    for (int64_t m = 0; m < M; m += kSweepRows<W>) sweep(m, std::min(kSweepRows<W>, M - m), n0, n1);
   };
   return {columns, N, part_columns, CeilDiv(N, part_columns)};
+}
+
+// x [M, K] by one weight's reader into y [M, N].
+template <typename W>
+Product Plan(const float* x, W reader, float* y, int64_t M, int64_t K, int64_t share) {
+  return PlanColumns(reader, M, share, [=](int64_t m, int64_t rows, int64_t n0, int64_t n1) {
+    kColumns<W>[rows](x + m * K, &reader, y + m * reader.N, K, n0, n1);
+  });
+}
+
+// Activations as int8 (`activations="int8"`): each row of x is quantized per block of 16 inputs to
+// int8 codes with one float32 scale (the block's largest magnitude / 127), so that an int4 weight's
+// codes are summed with integer multiply-adds, exact in any order, as llama.cpp does. A row's codes
+// depend on its own values alone, so its product is the same whatever rows share the pass.
+constexpr int64_t kActivationBlock = 16;  // an int4 weight's block of rows (Int4Weight::kRows), within one group
+
+struct Int8Rows {
+  std::vector<int8_t> codes;  // [M, K]
+  std::vector<float> scale;   // [M, K / 16]
+  std::vector<float> sum;     // [M, K / 16]: x's own sum over the block, in order, for the weight's minimum
+};
+
+Int8Rows QuantizeRows(const float* x, int64_t M, int64_t K) {
+  const int64_t blocks = M * K / kActivationBlock;
+  Int8Rows rows{std::vector<int8_t>(M * K), std::vector<float>(blocks), std::vector<float>(blocks)};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* block = x + b * kActivationBlock;
+    float largest = 0, sum = 0;
+    for (int64_t i = 0; i < kActivationBlock; ++i) largest = std::max(largest, std::fabs(block[i])), sum += block[i];
+    const float inverse = largest > 0 ? 127.0f / largest : 0.0f;
+    for (int64_t i = 0; i < kActivationBlock; ++i) rows.codes[b * kActivationBlock + i] = int8_t(std::nearbyint(block[i] * inverse));
+    rows.scale[b] = largest / 127.0f;
+    rows.sum[b] = sum;
+  }
+  return rows;
+}
+
+#if defined(__AVX2__)
+// 16 columns' codes of rows k and k + 1 (one byte row of an int4 weight) as 16 int16 lanes: row k's
+// code in the low byte, row k + 1's in the high one, the pairs `_mm256_maddubs_epi16` multiplies.
+inline __m256i CodePairs(const uint8_t* p) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi16(0x000F)),
+                         _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x00F0)), 4));
+}
+inline __m256 Scales8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Scales8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+
+// y[t, n] = sum over blocks of 16 rows k of (scale_x * sum_k code_x[t, k] * code[k, n]) * scale[n] +
+// sum_x * min[n]: the integer sum of 8 pairs fits int16 (at most 8 * 2 * 127 * 15).
+template <int T, typename Scale>
+void ColumnsInt8Rows(const Int8Rows& x, int64_t m, const Int4Weight<Scale>& w, float* y, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t N = w.N, blocks = K / kActivationBlock;
+  for (int t = 0; t < T; ++t) std::memset(y + t * N + n0, 0, sizeof(float) * (n1 - n0));
+  for (int64_t k0 = 0; k0 < K; k0 += kActivationBlock) {
+    const int64_t block = k0 / kActivationBlock;
+    float scale_x[T], sum_x[T];
+    int16_t pairs[T][kActivationBlock / 2];  // row t's codes of rows 2p and 2p + 1, as bytes of one int16
+    for (int t = 0; t < T; ++t) {
+      const int8_t* codes = x.codes.data() + (m + t) * K + k0;
+      scale_x[t] = x.scale[(m + t) * blocks + block], sum_x[t] = x.sum[(m + t) * blocks + block];
+      for (int p = 0; p < kActivationBlock / 2; ++p) pairs[t][p] = int16_t(uint8_t(codes[2 * p]) | uint16_t(uint8_t(codes[2 * p + 1])) << 8);
+    }
+    const bool next = k0 + kActivationBlock < K;
+    int64_t n = n0;
+#if defined(__AVX2__)
+    __m256i broadcast[T][kActivationBlock / 2];  // loaded in the loop: a broadcast there cost a shuffle per multiply
+    for (int t = 0; t < T; ++t)
+      for (int p = 0; p < kActivationBlock / 2; ++p) broadcast[t][p] = _mm256_set1_epi16(pairs[t][p]);
+    for (; n + 16 <= n1; n += 16) {
+      if (next && n % 64 == 0)
+        for (int p = 0; p < kActivationBlock / 2; ++p) __builtin_prefetch(w.w + ((k0 + kActivationBlock) / 2 + p) * N + n);
+      __m256i acc[T];
+      for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_si256();
+      for (int p = 0; p < kActivationBlock / 2; ++p) {
+        const __m256i codes = CodePairs(w.w + (k0 / 2 + p) * N + n);
+        for (int t = 0; t < T; ++t) acc[t] = _mm256_add_epi16(acc[t], _mm256_maddubs_epi16(codes, broadcast[t][p]));
+      }
+      const int64_t at = (k0 >> w.group_shift) * N + n;
+      const __m256 scale_low = Scales8(w.scale + at), scale_high = Scales8(w.scale + at + 8);
+      const __m256 min_low = Scales8(w.min + at), min_high = Scales8(w.min + at + 8);
+      for (int t = 0; t < T; ++t) {
+        const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[t])));
+        const __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[t], 1)));
+        const __m256 sx = _mm256_set1_ps(scale_x[t]), mx = _mm256_set1_ps(sum_x[t]);
+        float* out = y + t * N + n;
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(low, _mm256_mul_ps(sx, scale_low), _mm256_fmadd_ps(mx, min_low, _mm256_loadu_ps(out))));
+        _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(high, _mm256_mul_ps(sx, scale_high), _mm256_fmadd_ps(mx, min_high, _mm256_loadu_ps(out + 8))));
+      }
+    }
+#endif
+    for (; n < n1; ++n)
+      for (int t = 0; t < T; ++t) {
+        const int8_t* codes = x.codes.data() + (m + t) * K + k0;
+        int32_t acc = 0;
+        for (int64_t kk = 0; kk < kActivationBlock; ++kk) acc += int32_t(codes[kk]) * int32_t(w.Code1(k0 + kk, n));
+        const int64_t at = (k0 >> w.group_shift) * N + n;
+        y[t * N + n] = std::fma(float(acc), scale_x[t] * Scale1(w.scale[at]), std::fma(sum_x[t], Scale1(w.min[at]), y[t * N + n]));
+      }
+  }
+}
+
+template <typename Scale, size_t... T>
+constexpr auto Int8RowsTable(std::index_sequence<T...>) {
+  return std::array<void (*)(const Int8Rows&, int64_t, const Int4Weight<Scale>&, float*, int64_t, int64_t, int64_t), sizeof...(T) + 1>{
+      nullptr, ColumnsInt8Rows<T + 1, Scale>...};
+}
+
+// x (quantized) [M, K] by an int4 weight's reader into y [M, N].
+template <typename Scale>
+Product PlanInt8Rows(const Int8Rows& x, Int4Weight<Scale> reader, float* y, int64_t M, int64_t K, int64_t share) {
+  static constexpr auto kSweeps = Int8RowsTable<Scale>(std::make_index_sequence<kSweepRows<Int4Weight<Scale>>>());
+  const Int8Rows* rows = &x;  // outlives the products: they run inside the call that made it
+  return PlanColumns(reader, M, share, [=](int64_t m, int64_t count, int64_t n0, int64_t n1) {
+    kSweeps[count](*rows, m, reader, y + m * reader.N, K, n0, n1);
+  });
 }
 
 // Every part of the products, over the calling thread and the helpers.
@@ -618,7 +736,7 @@ ffi::Error FewRowMatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi
 
 ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::AnyBuffer scale, ffi::AnyBuffer min,
                             ffi::Buffer<ffi::S32> at, ffi::RemainingArgs beside, ffi::ResultBuffer<ffi::F32> y,
-                            ffi::RemainingRets beside_results) {
+                            ffi::RemainingRets beside_results, bool int8_activations) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), md = min.dimensions();
   const auto type = scale.element_type();
   int64_t entry;
@@ -632,15 +750,20 @@ ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi
   }
   const int64_t M = xd[0], K = xd[1], N = wd[2], groups = entry * sd[1] * N;
   const uint8_t* codes = w.typed_data() + entry * K / 2 * N;
+  const Int8Rows rows = int8_activations ? QuantizeRows(x.typed_data(), M, K) : Int8Rows{};
+  const auto plan = [&](auto reader) {
+    return int8_activations ? PlanInt8Rows(rows, reader, y->typed_data(), M, K, CeilDiv(N, Threads()))
+                            : Plan(x.typed_data(), reader, y->typed_data(), M, K, CeilDiv(N, Threads()));
+  };
   std::vector<Product> products;
   if (type == ffi::DataType::F16) {
     const auto* s = static_cast<const uint16_t*>(scale.untyped_data()) + groups;
     const auto* m = static_cast<const uint16_t*>(min.untyped_data()) + groups;
-    products.push_back(Plan(x.typed_data(), Int4Weight<uint16_t>{codes, s, m, N, shift}, y->typed_data(), M, K, CeilDiv(N, Threads())));
+    products.push_back(plan(Int4Weight<uint16_t>{codes, s, m, N, shift}));
   } else {
     const auto* s = static_cast<const float*>(scale.untyped_data()) + groups;
     const auto* m = static_cast<const float*>(min.untyped_data()) + groups;
-    products.push_back(Plan(x.typed_data(), Int4Weight<float>{codes, s, m, N, shift}, y->typed_data(), M, K, CeilDiv(N, Threads())));
+    products.push_back(plan(Int4Weight<float>{codes, s, m, N, shift}));
   }
   return RunWithBeside(std::move(products), beside, beside_results, x.typed_data(), M, K, at);
 }
@@ -723,10 +846,24 @@ void ScoreSlots(const float* q, const float* keys, float* scores, int64_t stride
   for (int t = 0; t < T; ++t) *reinterpret_cast<Lanes*>(scores + t * stride + s) = acc[t] * scale;
 }
 
-// out[t, e0 + x] = sum over slots s < n of p[t, s] v[e0 + x, s], for T rows and kE dimensions: lane l
-// sums the slots s = l (mod 16) from slot 0, then `SumLanes`. p is 0 past n; v's rows are read up to n.
+// A pass's rows see, besides the cache's n slots, earlier tokens of their own block (a chain's or a
+// tree path's ancestors). A one-token step for the same token has those tokens in the cache, at slots
+// n, n + 1, ... So each row places its ancestors' scores and values at those slots: its sums then run
+// over the same lanes in the same order as that step's, and a pass's row equals the step bit for bit
+// (what lets rounded activations, int8 or 16-bit, keep S3D token-exact).
+struct Ancestors {
+  const int32_t* index;  // [rows, block]: row t's ancestors' block positions, in order of depth
+  const int32_t* count;  // [rows]
+  const float* values;   // the block's values [block, E]
+  int64_t block;
+};
+
+// out[t, e0 + x] = sum over slots s < n + a_t of p[t, s] v[e0 + x, s], for T rows and kE dimensions,
+// a_t being row t's ancestors, whose values stand at slots n.. (`Ancestors`): lane l sums the slots
+// s = l (mod 16) from slot 0, then `SumLanes`. p is 0 past n + a_t; v's rows are read up to n.
 template <int T, int kE>
-void WeighValues(const float* p, int64_t stride, const float* values, int64_t S, int64_t n, int64_t e0, float* out, int64_t E) {
+void WeighValues(const float* p, int64_t stride, const float* values, int64_t S, int64_t n, int64_t e0, float* out, int64_t E,
+                 const Ancestors& before) {
   const int64_t whole = n / 16 * 16;
   Lanes acc[kE][T] = {};
   for (int64_t s = 0; s < whole; s += 16) {
@@ -739,11 +876,17 @@ void WeighValues(const float* p, int64_t stride, const float* values, int64_t S,
       for (int x = 0; x < kE; ++x) acc[x][t] += pt * v[x];
     }
   }
-  if (whole < n) {
-    for (int x = 0; x < kE; ++x) {
-      Lanes v = {};
-      for (int64_t s = whole; s < n; ++s) v[s - whole] = values[(e0 + x) * S + s];
-      for (int t = 0; t < T; ++t) acc[x][t] += *reinterpret_cast<const Lanes*>(p + t * stride + whole) * v;
+  for (int t = 0; t < T; ++t) {
+    const int64_t live = n + before.count[t];
+    const int32_t* index = before.index + t * before.block;
+    for (int64_t s = whole; s < live; s += 16) {
+      const Lanes pt = *reinterpret_cast<const Lanes*>(p + t * stride + s);
+      for (int x = 0; x < kE; ++x) {
+        Lanes v = {};
+        for (int64_t slot = s; slot < std::min(s + 16, live); ++slot)
+          v[slot - s] = slot < n ? values[(e0 + x) * S + slot] : before.values[index[slot - n] * E + e0 + x];
+        acc[x][t] += pt * v;
+      }
     }
   }
   for (int x = 0; x < kE; ++x)
@@ -753,7 +896,7 @@ void WeighValues(const float* p, int64_t stride, const float* values, int64_t S,
 constexpr int kScoreRows = 8;   // rows per sweep of the scores: 8 accumulators beside 16 transposed keys
 constexpr int kAttendRows = 16;  // rows per sweep of the values
 using ScoreSlotsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, float);
-using WeighValuesFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+using WeighValuesFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t, const Ancestors&);
 template <size_t... I>
 constexpr std::array<ScoreSlotsFn, sizeof...(I) + 1> ScoreSlotsTable(std::index_sequence<I...>) {
   return {nullptr, ScoreSlots<I + 1>...};
@@ -775,9 +918,10 @@ struct Head {
   const float *q, *keys, *values, *block_keys, *block_values;
   const bool* mask;
   float* out;
-  int64_t R, T, S, E, n, width, block_width;  // widths: n and T rounded up to whole 16-slot vectors
+  int64_t R, T, S, E, n, width, block_width;  // widths: n + T and T rounded up to whole 16-slot vectors
   float scale;
   float *scores, *block, *sums;  // [R, width], [R, block_width], [R]: probabilities once normalized, unscaled
+  int32_t *ancestors, *counts;   // [R, T], [R]: each row's ancestors in the block (`Ancestors`)
 
   void Score(int64_t s0, int64_t s1) const {
     for (int64_t s = s0; s < s1; s += 16)
@@ -795,27 +939,34 @@ struct Head {
         kScoreSlots[std::min<int64_t>(kScoreRows, r1 - r)](q + r * E, block_keys, block + r * block_width, block_width, E, s,
                                                            std::min<int64_t>(16, T - s), scale);
     for (int64_t r = r0; r < r1; ++r) {
-      const bool* sees = mask + r % T * T;
+      const int64_t self = r % T;
+      const bool* sees = mask + self * T;
       float *row = scores + r * width, *own = block + r * block_width;
-      float top = -INFINITY;
-      for (int64_t j = 0; j < T; ++j)
+      int32_t* before = ancestors + r * T;
+      int64_t count = 0;  // the keys it sees before its own stand at slots n, n + 1, ... (`Ancestors`)
+      for (int64_t j = 0; j < self; ++j)
+        if (sees[j]) row[n + count] = own[j], before[count++] = int32_t(j);
+      counts[r] = int32_t(count);
+      const int64_t live = n + count;
+      float top = -INFINITY;  // over the keys it sees from its own on, and the slots
+      for (int64_t j = self; j < T; ++j)
         if (sees[j]) top = std::max(top, own[j]);
       Lanes top_lanes = Lanes{} - INFINITY;
       for (int64_t s = 0; s < width; s += 16) {
         const Lanes x = *reinterpret_cast<const Lanes*>(row + s);
-        top_lanes = (kLaneIndex + int32_t(s) < int32_t(n)) & (x > top_lanes) ? x : top_lanes;
+        top_lanes = (kLaneIndex + int32_t(s) < int32_t(live)) & (x > top_lanes) ? x : top_lanes;
       }
       top = std::max(top, MaxLanes(top_lanes));
       Lanes total = {};
       for (int64_t s = 0; s < width; s += 16) {
         const Lanes p = ExpNonPositive(*reinterpret_cast<const Lanes*>(row + s) - top);
-        const Lanes kept = kLaneIndex + int32_t(s) < int32_t(n) ? p : Lanes{};
+        const Lanes kept = kLaneIndex + int32_t(s) < int32_t(live) ? p : Lanes{};
         *reinterpret_cast<Lanes*>(row + s) = kept;
         total += kept;
       }
       float sum = SumLanes(total);
       for (int64_t j = 0; j < T; ++j) {
-        own[j] = sees[j] ? ExpNonPositive(Lanes{} + (own[j] - top))[0] : 0.0f;
+        own[j] = j >= self && sees[j] ? ExpNonPositive(Lanes{} + (own[j] - top))[0] : 0.0f;
         sum += own[j];
       }
       sums[r] = sum;
@@ -825,7 +976,8 @@ struct Head {
   void Weigh(int64_t e0, int64_t e1) const {
     for (int64_t r0 = 0; r0 < R; r0 += kAttendRows) {
       const int64_t rows = std::min<int64_t>(kAttendRows, R - r0), dims = ValueDims(rows);
-      for (int64_t e = e0; e < e1; e += dims) kWeighValues[rows](scores + r0 * width, width, values, S, n, e, out + r0 * E, E);
+      const Ancestors before{ancestors + r0 * T, counts + r0, block_values, T};
+      for (int64_t e = e0; e < e1; e += dims) kWeighValues[rows](scores + r0 * width, width, values, S, n, e, out + r0 * E, E, before);
     }
     for (int64_t r = 0; r < R; ++r) {
       float* o = out + r * E;
@@ -877,7 +1029,7 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, f
   std::vector<Head> heads;
   int64_t scratch = 0;  // each head's scores, block probabilities and sums, sized by its live slots
   EachHead(bound, K, S, [&](int64_t head, int64_t n) {
-    const int64_t width = CeilDiv(n, 16) * 16;
+    const int64_t width = CeilDiv(n + T, 16) * 16;
     heads.push_back(Head{q.typed_data() + head * R * E, keys.typed_data() + layer + head * S * E,
                          values.typed_data() + layer + head * E * S, block_keys.typed_data() + head * T * E,
                          block_values.typed_data() + head * T * E, mask.typed_data() + head / K * T * T, out->typed_data() + head * R * E,
@@ -885,13 +1037,19 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, f
     scratch += R * (width + block_width + 1);
   });
   thread_local std::vector<float> workspace;
+  thread_local std::vector<int32_t> ancestry;
   workspace.resize(scratch);
+  ancestry.resize(heads.size() * R * (T + 1));
   float* free = workspace.data();
+  int32_t* next = ancestry.data();
   for (Head& h : heads) {
     h.scores = free;
     h.block = h.scores + R * h.width;
     h.sums = h.block + R * block_width;
     free = h.sums + R;
+    h.ancestors = next;
+    h.counts = next + R * T;
+    next = h.counts + R;
   }
   int64_t most = 0;
   for (const Head& h : heads) most = std::max(most, h.n);
@@ -1049,7 +1207,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dFewRowMatmulInt4, FewRowMatmulInt4,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .RemainingRets());
+                                  .RemainingRets()
+                                  .Attr<bool>("int8_activations"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dCacheAttention, CacheAttention,
                               ffi::Ffi::Bind()

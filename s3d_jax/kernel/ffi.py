@@ -135,25 +135,29 @@ def _product_jvp(primals, tangents):
     return product(x, w, at, beside), _float_tangents(x, dx, (w, *beside), (dw, *dbeside), per_weight(at, 1 + len(beside)))
 
 
-@jax.custom_jvp
-def quantized_product(x_MK, w, at, beside=()):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def quantized_product(x_MK, w, at, beside=(), int8_activations=False):
     """`product` with entry `at[0]` of a stack of quantized weights `[L, K, N]` (`quant`), and
-    `x @ b[at[i + 1]]` for each float stack b of `beside`, in one call."""
-    target = TARGET_INT4 if quant.bits_of(w) == 4 else TARGET_INT8
-    call = jax.ffi.ffi_call(target, _results(x_MK, (w["values"], *beside)), vmap_method="sequential")
+    `x @ b[at[i + 1]]` for each float stack b of `beside`, in one call. With `int8_activations`, a
+    4-bit weight's product quantizes x per row and block of 16 and sums integers (few_rows.cc,
+    `Int8Rows`); its tangents are the float product's."""
+    four_bits = quant.bits_of(w) == 4
+    call = jax.ffi.ffi_call(TARGET_INT4 if four_bits else TARGET_INT8, _results(x_MK, (w["values"], *beside)),
+                            vmap_method="sequential")
     low = w["min"] if "min" in w else jnp.zeros((0,), jnp.float32)  # an int8 weight without a minimum passes an empty one
-    return tuple(call(x_MK, w["values"], w["scale"], low, _at(at), *beside))
+    attributes = {"int8_activations": bool(int8_activations)} if four_bits else {}
+    return tuple(call(x_MK, w["values"], w["scale"], low, _at(at), *beside, **attributes))
 
 
 @quantized_product.defjvp
-def _quantized_product_jvp(primals, tangents):
+def _quantized_product_jvp(int8_activations, primals, tangents):
     (x, stack, at, beside), (dx, dstack, _, dbeside) = primals, tangents
     ats = per_weight(at, 1 + len(beside))
     w, dw = entry(stack, ats[0]), entry(dstack, ats[0])
     # The weight is linear in its scales (and minimums) for fixed values, which have no tangent.
     dw_value = quant.dequantize({**{k: dw[k] for k in w if k != "values"}, "values": w["values"]}, 1)
     dy = dx @ quant.dequantize(w, 1) + x @ dw_value
-    return quantized_product(x, stack, at, beside), (dy, *_float_tangents(x, dx, beside, dbeside, ats[1:]))
+    return quantized_product(x, stack, at, beside, int8_activations), (dy, *_float_tangents(x, dx, beside, dbeside, ats[1:]))
 
 
 def cache_attention(q_BKRE, keys_LBKSE, values_LBKES, block_k_BKTE, block_v_BKTE, mask_BTT, lengths_B, at, scale: float):
