@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s3d_jax import quant
+from s3d_jax import paths, quant
 from s3d_jax.kernel import build, dispatch, ffi
 
 needs_kernel = pytest.mark.skipif(
@@ -185,18 +185,12 @@ def kernel_process(cache, code="", **env):
 
 @pytest.fixture(scope="module")
 def built_cache(tmp_path_factory):
-    """A cache directory holding a freshly built kernel; the first build's log lines are checked here."""
+    """A cache directory holding a copy of this run's kernel (built here if no test has yet)."""
+    if not ffi.available():
+        pytest.skip("no few-row kernel here (no compiler, or switched off)")
     cache = tmp_path_factory.mktemp("kernel_cache")
-    code, err, out = kernel_process(cache)
-    assert code == 0 and out.split() == ["True"], err
-    assert "building the few-row CPU kernel" in err and "built the few-row CPU kernel in" in err
+    shutil.copytree(paths.cache_root() / "kernels", cache / "kernels")
     return cache
-
-
-@needs_kernel
-def test_the_build_is_logged_and_happens_once(built_cache):
-    code, err, out = kernel_process(built_cache)
-    assert code == 0 and out.split() == ["True"] and "build" not in err, err
 
 
 @needs_kernel
@@ -204,7 +198,7 @@ def test_the_build_is_logged_and_happens_once(built_cache):
 def test_a_kernel_file_unlike_its_build_is_not_intact(built_cache, tmp_path, damage):
     """A file in the kernel cache that is not what the build wrote (a crash mid-copy, another library
     at its path) is never loaded, which could kill the process with SIGBUS: `built_library` rebuilds
-    whatever `intact` refuses (the next test)."""
+    whatever `intact` refuses (tests/test_faults.py rebuilds one, a rebuild being half a minute)."""
     shutil.copytree(built_cache / "kernels", tmp_path / "kernels")
     (library,) = (tmp_path / "kernels").glob("few_rows-*.so")
     assert build.intact(library)
@@ -218,17 +212,6 @@ def test_a_kernel_file_unlike_its_build_is_not_intact(built_cache, tmp_path, dam
     else:
         library.write_bytes(np.random.default_rng(0).bytes(library.stat().st_size))
     assert not build.intact(library)
-
-
-@needs_kernel
-def test_a_damaged_kernel_file_is_rebuilt_not_loaded(built_cache, tmp_path):
-    shutil.copytree(built_cache / "kernels", tmp_path / "kernels")
-    (library,) = (tmp_path / "kernels").glob("few_rows-*.so")
-    library.write_bytes(library.read_bytes()[:4096])
-    code, err, out = kernel_process(tmp_path)
-    assert code == 0 and out.split() == ["True"], err
-    assert "is not the file its build wrote" in err and "built the few-row CPU kernel" in err
-    assert kernel_process(tmp_path)[1].count("build") == 0  # whole again
 
 
 def jax_libraries():

@@ -97,6 +97,12 @@ def test_no_file_is_too_long():
     assert long == {}
 
 
+def test_readme_and_benchmarks_stay_short():
+    """The README is set-up, quick-start and one table; benchmarks.md holds today's tables, history the log."""
+    lines = {p.name: len(p.read_text().splitlines()) for p in (REPO / "README.md", REPO / "docs" / "benchmarks.md")}
+    assert lines["README.md"] < 160 and lines["benchmarks.md"] <= 300, lines
+
+
 def anchor(heading: str) -> str:
     """GitHub's anchor for a heading."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
