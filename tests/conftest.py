@@ -49,13 +49,13 @@ def pytest_configure(config):
     compile_cache.enable()
 
 
-# The longest files first, by their measured time (`--durations=0` on the 2-core CI machine): with
+# The longest files first, by their measured time (docs/guarantees.md, "Tests": `--durations=0` on a 2-core machine): with
 # `--no-loadscope-reorder` (Makefile) pytest-xdist hands files to its workers in collection order, and a
 # long file handed out last runs alone while the other worker idles. Its default order, most tests
 # first, left the real-model and sharded files to the end.
-LONGEST_FIRST = ("test_sharded_decoding.py", "test_decoding.py", "test_smollm2.py", "test_qwen_coder.py", "test_tree.py", "test_serve.py",
-                 "test_train.py", "test_bench.py", "test_smollm2_quantized.py", "test_faults.py", "test_quant.py", "test_predict.py",
-                 "test_objective.py", "test_families.py", "test_few_rows.py", "test_calibrate.py", "test_convert.py", "test_drafter.py")
+LONGEST_FIRST = ("test_decoding.py", "test_sharded_decoding.py", "test_train.py", "test_tree.py", "test_bench.py", "test_smollm2.py",
+                 "test_serve.py", "test_quant.py", "test_qwen_coder.py", "test_predict.py", "test_faults.py", "test_smollm2_quantized.py",
+                 "test_families.py", "test_objective.py", "test_convert.py", "test_serve_lane.py", "test_calibrate.py", "test_drafter.py")
 
 
 def pytest_collection_modifyitems(items):
