@@ -2,9 +2,10 @@
 (XLA_FLAGS=--xla_force_host_platform_device_count=N): decodes on one device, then over each mesh,
 and prints what matched as one JSON line. A model directory (argv[1]) or a family of tiny random models.
 
-With `"outputs": true` it prints the tokens instead: on one device (`meshes` empty), or as one of
-several processes (`"processes"`) that join through `jax.distributed` and decode over one mesh of all
-their devices, the checkpoint saved beforehand by the one-device run."""
+Several cases (`"cases"`) share one process: a list of reports. Each report holds the one-device
+tokens (`"reference"`) beside each mesh's. As one of several processes (`"processes"`), which join
+through `jax.distributed` and decode over one mesh of all their devices (the checkpoint saved
+beforehand by a one-device run), it prints the tokens instead."""
 
 import json
 import sys
@@ -47,15 +48,8 @@ def per_device_bytes(params) -> list[int]:
     return held.tolist()
 
 
-def main():
-    spec = json.loads(sys.argv[1])
-    sharding.maybe_initialize_distributed()  # before anything touches a device, as the command lines do
-    if spec.get("processes"):
-        assert jax.process_count() == spec["processes"], jax.process_count()
-        methods = {k: METHODS[k] for k in spec["methods"]}
-        print(json.dumps({n: outputs(s3d_jax.load(spec["tmp"], mesh=f"model={n}"), PROMPTS, spec["new_tokens"], methods)
-                          for n in spec["meshes"]}))
-        return
+def decode_case(spec: dict) -> dict:
+    """One model's report: its one-device tokens, then, per mesh, what differed from them or why the mesh was refused."""
     if spec.get("model_dir"):
         load = dict(path=spec["model_dir"], drafter=spec.get("drafter"))
         one = s3d_jax.load(**load)
@@ -70,10 +64,7 @@ def main():
         load, prompts = dict(path=str(path), drafter=None), PROMPTS
         methods = {k: METHODS[k] for k in spec.get("methods", METHODS)}
     reference = outputs(one, prompts, spec["new_tokens"], methods)
-    if spec.get("outputs"):
-        print(json.dumps({1: reference}))
-        return
-    report = {}
+    report = {"reference": reference}
     for n in spec["meshes"]:
         try:
             # jax.make_mesh's own (Explicit axes by default) where the spec asks for it, else the CLIs' text
@@ -88,7 +79,19 @@ def main():
         report[n] = {"differ": [k for k in reference if got[k] != reference[k]],
                      "logits_max_diff": float(np.max(np.abs(logits_one - logits_sharded))),
                      "bytes": per_device_bytes(sharded.params), "total": int(sum(x.nbytes for x in jax.tree.leaves(one.params)))}
-    print(json.dumps(report))
+    return report
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    sharding.maybe_initialize_distributed()  # before anything touches a device, as the command lines do
+    if spec.get("processes"):
+        assert jax.process_count() == spec["processes"], jax.process_count()
+        methods = {k: METHODS[k] for k in spec["methods"]}
+        print(json.dumps({n: outputs(s3d_jax.load(spec["tmp"], mesh=f"model={n}"), PROMPTS, spec["new_tokens"], methods)
+                          for n in spec["meshes"]}))
+        return
+    print(json.dumps([decode_case(case) for case in spec["cases"]]))
 
 
 if __name__ == "__main__":

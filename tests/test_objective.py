@@ -1,5 +1,7 @@
 """The training objective: what the draft pass sees in training is what it sees at inference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,16 @@ def single_batch(tokens, loss_mask=None):
     )
 
 
+@functools.partial(jax.jit, static_argnames=("config", "plan"))
+def inference_draft_logits(params, config, plan, tokens_1T, n, x_n):
+    """`draft_s3d`'s logits after the first `n` tokens of `tokens_1T`, all of which the cache holds: its
+    slots at or past `n` are stale, never read (so one compile serves every anchor, and a draft that
+    read them would see the answer)."""
+    cache = KVCache.zeros(config, 1, 32)
+    _, cache = cached_forward(params, config, cache, tokens_1T, config.all_layers, True)
+    return draft_s3d(params, config, plan, cache.replace(lengths=n[None]), x_n[None], jax.random.key(0))[1][0]
+
+
 @pytest.mark.parametrize("gamma,skip,lora,vocab", [(3, (2, 3), 0, 0), (4, (1, 4), 0, 0), (2, (3, 3), 4, 0), (3, (1, 2), 4, 40)])
 def test_training_draft_pass_matches_inference(gamma, skip, lora, vocab):
     """For each anchor n, the training draft logits at depths 0..γ-1 equal `draft_s3d` run on the
@@ -61,11 +73,8 @@ def test_training_draft_pass_matches_inference(gamma, skip, lora, vocab):
     for n in anchors:
         if n == 0 or n + gamma > T:
             continue
-        cache = KVCache.zeros(config, 1, 32)
-        _, cache = cached_forward(model.params, config, cache, jnp.asarray([tokens[:n]]), config.all_layers, True)
-        cache = cache.replace(lengths=jnp.asarray([n]))
-        _, inference_logits, _ = draft_s3d(model.params, config, plan, cache, jnp.asarray([tokens[n]]), jax.random.key(0))
-        inference_logits = np.asarray(inference_logits)[0]
+        inference_logits = np.asarray(inference_draft_logits(model.params, config, plan, jnp.asarray([tokens]), jnp.int32(n),
+                                                             jnp.int32(tokens[n])))
         if vocab:
             scored = np.asarray(model.params["draft_vocab"])
             assert np.all(np.delete(inference_logits, scored, axis=-1) == NEG_INF), "only the draft vocabulary is scored"

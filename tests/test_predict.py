@@ -151,14 +151,21 @@ def test_draft_ranks_equal_a_draft_pass_from_each_prefix(draft_vocab):
     got = draft_ranks(model, [(prompt, reply)], gamma)[0]
     ids = prompt + reply
     plan = Plan.make(model.config, "s3d", gamma=gamma, skip=(2, 3))
+
+    @jax.jit
+    def ranks_after(n, seen_1T):
+        """The draft pass's ranks of the reply's next γ tokens after its first `n` tokens: the cache
+        holds them all, its slots at or past `n` stale (so one compile serves every `n`)."""
+        _, cache = prompt_forward(model.params, model.config, jnp.asarray([ids]), 32)
+        _, logits, _ = draft_s3d(model.params, model.config, plan, cache.replace(lengths=n[None]), jnp.asarray(ids)[n][None],
+                                 jax.random.key(0), seen_1T)
+        own = logits[0, jnp.arange(gamma), jax.lax.dynamic_slice(jnp.asarray(ids), (n + 1,), (gamma,))]
+        return jnp.sum(logits[0] > own[:, None], axis=1)
+
     want = []
     for n in range(len(prompt), len(ids) - gamma):
-        _, cache = prompt_forward(model.params, model.config, jnp.asarray([ids[:n]]), 32)
         seen = jnp.asarray([ids[: n + 1] + [0] * (len(ids) - n - 1)])  # the tokens so far; later slots hold padding
-        _, logits, _ = draft_s3d(model.params, model.config, plan, cache.replace(lengths=jnp.asarray([n])), jnp.asarray([ids[n]]),
-                                 jax.random.key(0), seen)
-        own = logits[0, jnp.arange(gamma), jnp.asarray(ids[n + 1: n + 1 + gamma])]
-        want.append(np.asarray(jnp.sum(logits[0] > own[:, None], axis=1)))
+        want.append(np.asarray(ranks_after(jnp.int32(n), seen)))
     np.testing.assert_array_equal(got, np.array(want))
 
 

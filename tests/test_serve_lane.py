@@ -22,7 +22,7 @@ def test_a_lane_s_cache_grows_and_shrinks_with_its_requests_and_outputs_stay_exa
     """A short request, a long one beside it, then a short one alone: the loop runs with the cache that
     the longest request in it needs, each reply is plain greedy decoding's for that prompt alone, and
     nothing compiles after start-up."""
-    monkeypatch.setattr(lane_module, "MIN_CAPACITY", 64)  # sizes 64, 128 and 256
+    monkeypatch.setattr(lane_module, "MIN_CAPACITY", 128)  # sizes 128 and 256
     original, sizes = Lane.resize, []
 
     def record(self, capacity):
@@ -53,7 +53,7 @@ def test_a_lane_s_cache_grows_and_shrinks_with_its_requests_and_outputs_stay_exa
         asked.append((QUESTIONS[2], 6, ask(QUESTIONS[2], 6).result(300)))
     finally:
         engine.stop()
-    assert sizes == [256, 64]  # grown for the long request beside the short one, shrunk once it left
+    assert sizes == [256, 128]  # grown for the long request beside the short one, shrunk once it left
     assert (decoding.compile_count(), len(engine.executables)) == compiled
     for question, new_tokens, (tokens, finish) in asked:
         alone = s3d_jax.decode(model, model.tokenizer.encode(question), method="ar", max_new_tokens=new_tokens)

@@ -1,7 +1,8 @@
 """Decoding over a device mesh, tensor-parallel, on simulated CPU devices: every method's output equals
 one device's, each device holds its share of the weights, and a mesh the model cannot split is refused.
 
-Each case runs `sharded_child.py` in a process of its own, started with the device count it needs."""
+The cases run `sharded_child.py` in processes started with the device counts they need: the tiny
+families share one, whose one-device tokens the two-process case compares against too."""
 
 import json
 import os
@@ -34,33 +35,50 @@ def start_child(spec: dict, env: dict) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env, cwd=HERE)
 
 
-def child_report(child: subprocess.Popen) -> dict:
+def with_int_keys(report: dict) -> dict:
+    """JSON's keys are strings: the mesh sizes back to ints."""
+    return {int(k) if k.isdigit() else k: v for k, v in report.items()}
+
+
+def child_report(child: subprocess.Popen):
     try:
         stdout, stderr = child.communicate(timeout=1800)
     finally:
         child.kill()
     assert child.returncode == 0, stderr[-3000:]
-    return {int(k): v for k, v in json.loads(stdout.strip().splitlines()[-1]).items()}
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
-def run_child(spec: dict, devices: int) -> dict:
-    return child_report(start_child(spec, child_env(devices)))
+def run_child(cases: list[dict], devices: int) -> list[dict]:
+    return [with_int_keys(report) for report in child_report(start_child({"cases": cases}, child_env(devices)))]
 
 
 # Every method on one family; on the others, whose layers split differently, S3D's tree (a draft pass
-# and a verify pass) and the plain stream.
-@pytest.mark.parametrize(("family", "methods", "divides", "refused"), [
-    ("llama", ["ar", "s3d_tree", "s3d_chain", "selfspec", "sampled"], (4,), {3: "num_heads of 8"}),
-    ("qwen3", ["s3d_tree"], (2, 3), {4: "num_kv_heads of 6"}),
-    ("gemma2", ["s3d_tree"], (3,), {2: "num_kv_heads of 3", 4: "num_heads of 6"}),
-    ("llama_int8", ["s3d_tree"], (2,), {3: "num_heads of 4"}),  # int8 values and scales split with their weights
-])
-def test_every_method_decodes_over_a_mesh_as_on_one_device(tmp_path, family, methods, divides, refused):
-    """Plain, S3D's chain and tree, self-speculative and seeded sampling: the same tokens as on one device.
-    The qwen3 case builds its meshes with `jax.make_mesh` (Explicit axes), the others with Auto axes."""
-    spec = {"family": family, "tmp": str(tmp_path / family), "meshes": sorted([*divides, *refused]), "new_tokens": 12, "methods": methods,
-            "explicit": family == "qwen3"}
-    report = run_child(spec, devices=4)
+# and a verify pass) and the plain stream. The qwen3 case builds its meshes with `jax.make_mesh`
+# (Explicit axes), the others with Auto axes.
+FAMILY_CASES = {
+    "llama": (["ar", "s3d_tree", "s3d_chain", "selfspec", "sampled"], (4,), {3: "num_heads of 8"}),
+    "qwen3": (["s3d_tree"], (2, 3), {4: "num_kv_heads of 6"}),
+    "gemma2": (["s3d_tree"], (3,), {2: "num_kv_heads of 3", 4: "num_heads of 6"}),
+    "llama_int8": (["s3d_tree"], (2,), {3: "num_heads of 4"}),  # int8 values and scales split with their weights
+}
+
+
+@pytest.fixture(scope="module")
+def family_reports(tmp_path_factory):
+    """Each tiny family decoded on one device and over each of its meshes, all in one process of 4
+    devices; returns ({family: report}, the directory of their checkpoints)."""
+    root = tmp_path_factory.mktemp("families")
+    cases = [{"family": family, "tmp": str(root / family), "meshes": sorted([*divides, *refused]), "new_tokens": 12, "methods": methods,
+              "explicit": family == "qwen3"} for family, (methods, divides, refused) in FAMILY_CASES.items()]
+    return dict(zip(FAMILY_CASES, run_child(cases, devices=4))), root
+
+
+@pytest.mark.parametrize("family", FAMILY_CASES)
+def test_every_method_decodes_over_a_mesh_as_on_one_device(family_reports, family):
+    """Plain, S3D's chain and tree, self-speculative and seeded sampling: the same tokens as on one device."""
+    report = family_reports[0][family]
+    _, divides, refused = FAMILY_CASES[family]
     for n in divides:
         assert report[n]["differ"] == [], (n, report[n])
         assert report[n]["logits_max_diff"] < 1e-4
@@ -72,29 +90,31 @@ def test_every_method_decodes_over_a_mesh_as_on_one_device(tmp_path, family, met
 
 @pytest.mark.slow
 def test_bundled_model_with_its_drafter_decodes_over_three_devices(smollm2_dir):
-    spec = {"model_dir": str(smollm2_dir), "drafter": str(bundled.DRAFTER),
+    case = {"model_dir": str(smollm2_dir), "drafter": str(bundled.DRAFTER),
             "chats": ["What is the capital of France?", "Write a Python function that reverses a string."], "meshes": [3],
             "new_tokens": 32}
-    report = run_child(spec, devices=3)[3]
+    report = run_child([case], devices=3)[0][3]
     assert report["differ"] == [], report  # plain greedy and S3D at its calibrated policy, token for token
     # 1/3 of the weights and of each adapter's large factor; the norms and the adapters' rank-sized factors are whole.
     assert max(report["bytes"]) <= report["total"] / 3 * 1.06
 
 
-def test_two_processes_decode_over_one_mesh_as_one_device(tmp_path):
+def test_two_processes_decode_over_one_mesh_as_one_device(family_reports):
     """Two processes of two devices each join through `jax.distributed` (`JAX_COORDINATOR_ADDRESS`,
-    `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`), as two hosts would, and decode over a mesh of all four:
-    each gets every method's tokens equal to one device's."""
-    spec = {"family": "llama", "tmp": str(tmp_path / "llama"), "meshes": [], "new_tokens": 12, "outputs": True,
-            "methods": ["s3d_tree", "sampled"]}
-    reference = run_child(spec, devices=1)[1]  # and saves the checkpoint the two processes load
+    `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`), as two hosts would, and decode over a mesh of all four
+    the llama checkpoint that the family case saved: each gets S3D's and sampling's tokens, whole and
+    streamed, equal to one device's."""
+    reports, root = family_reports
+    methods = ["s3d_tree", "sampled"]
+    reference = {k: v for k, v in reports["llama"]["reference"].items() if k in [*methods, "streamed"]}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cluster = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2"}
-    children = [start_child({**spec, "meshes": [4], "processes": 2}, child_env(2, **cluster, JAX_PROCESS_ID=str(i))) for i in range(2)]
+    spec = {"tmp": str(root / "llama"), "meshes": [4], "new_tokens": 12, "methods": methods, "processes": 2}
+    children = [start_child(spec, child_env(2, **cluster, JAX_PROCESS_ID=str(i))) for i in range(2)]
     try:
-        reports = [child_report(child) for child in children]
+        reports = [with_int_keys(child_report(child)) for child in children]
     finally:  # one that failed leaves the other waiting for its peer
         for child in children:
             child.kill()

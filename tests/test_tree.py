@@ -17,10 +17,17 @@ def model():
     return tiny_model(seed=1)
 
 
+# The passes the tests run one by one, jitted as decoding runs them: one compile per shape instead of one per operation.
+forward = jax.jit(cached_forward, static_argnums=(1, 4, 5))
+build_tree = jax.jit(tree.build, static_argnums=2)
+verify_tree = jax.jit(tree.verify, static_argnums=(1, 4))
+verify_tree_block = jax.jit(tree.verify_block, static_argnums=(1, 4))
+
+
 def _cache_after(model, prefix, max_len=48):
     config = model.config
     cache = KVCache.zeros(config, 1, max_len)
-    _, cache = cached_forward(model.params, config, cache, jnp.asarray([prefix]), config.all_layers, True)
+    _, cache = forward(model.params, config, cache, jnp.asarray([prefix]), config.all_layers, True)
     return cache.replace(lengths=jnp.asarray([len(prefix)]))
 
 
@@ -41,7 +48,7 @@ def _paths(nodes: tree.Tree, b=0):
 def test_tree_is_the_best_paths_and_closed_under_parents(size, gamma):
     logits = jax.random.normal(jax.random.key(size), (2, gamma, 60)) * 2
     logits = logits.at[..., 59].set(-jnp.inf)  # a never-produced token (the mask)
-    nodes = tree.build(jnp.asarray([3, 4]), logits, size)
+    nodes = build_tree(jnp.asarray([3, 4]), logits, size)
     depths, parents = np.asarray(nodes.depths), np.asarray(nodes.parents)
     assert nodes.tokens.shape == (2, size + 1)
     assert np.all(np.diff(depths, axis=1) >= 0), "depth-major order"
@@ -68,8 +75,8 @@ def _verified_tree(model, size):
     prefix = np.random.default_rng(size).integers(0, 95, 7).tolist()
     cache = _cache_after(model, prefix)
     draft_logits = jax.random.normal(jax.random.key(size), (1, 4, config.vocab_size)).at[..., config.mask_token_id].set(-jnp.inf)
-    nodes = tree.build(jnp.asarray([11]), draft_logits, size)
-    return prefix, cache, nodes, tree.verify(model.params, config, cache, nodes, 4)[0]
+    nodes = build_tree(jnp.asarray([11]), draft_logits, size)
+    return prefix, cache, nodes, verify_tree(model.params, config, cache, nodes, 4)[0]
 
 
 @pytest.mark.parametrize("size", [5, 12])
@@ -115,9 +122,9 @@ def test_the_greedy_path_written_in_its_order_is_plain_decoding_s_cache(model):
         decoy = (greedy[d] + 1) % 90
         draft[0, d, greedy[d]], draft[0, d, decoy] = 8.0, 9.0
     draft[..., config.mask_token_id] = -np.inf
-    nodes = tree.build(jnp.asarray([x_n]), jnp.asarray(draft), 30)  # every mix of the two choices
+    nodes = build_tree(jnp.asarray([x_n]), jnp.asarray(draft), 30)  # every mix of the two choices
     cache = _cache_after(model, prefix)
-    logits, block_kvs = tree.verify_block(model.params, config, cache, nodes, gamma)
+    logits, block_kvs = verify_tree_block(model.params, config, cache, nodes, gamma)
     k, emitted, path = tree.accept(jax.random.key(0), nodes, logits, gamma, sampling.Sampling())
     assert int(k[0]) == gamma
     assert np.asarray(emitted)[0].tolist() == greedy[: gamma + 1]
@@ -245,7 +252,7 @@ def test_the_branch_alone_needs_every_active_row_to_know_it_after_a_long_enough_
 
 def _random_tree(rng, size, gamma, vocab=24, batch=6):
     logits = jnp.asarray(rng.normal(0, 2, (batch, gamma, vocab)), jnp.float32)
-    return tree.build(jnp.asarray(rng.integers(0, vocab, batch), jnp.int32), logits, size)
+    return build_tree(jnp.asarray(rng.integers(0, vocab, batch), jnp.int32), logits, size)
 
 
 @pytest.mark.parametrize("size,gamma", [(1, 2), (6, 3), (20, 4)])
@@ -291,10 +298,10 @@ def test_every_grafted_node_sees_exactly_its_path(model, size):
     cache = _cache_after(model, prefix)
     draft_logits = jax.random.normal(jax.random.key(size), (1, 4, config.vocab_size)).at[..., config.mask_token_id].set(-jnp.inf)
     tokens = jnp.zeros((1, 48), jnp.int32).at[0, : len(prefix) + 1].set(jnp.asarray(prefix + [9]))
-    nodes = tree.graft(tree.build(jnp.asarray([9]), draft_logits, size), *tree.context_branch(tokens, jnp.asarray([len(prefix)]), 4)[:2])
+    nodes = tree.graft(build_tree(jnp.asarray([9]), draft_logits, size), *tree.context_branch(tokens, jnp.asarray([len(prefix)]), 4)[:2])
     live_paths = [p for i, p in enumerate(_paths(nodes)) if np.asarray(nodes.live)[0, i]]
     assert [10, 7, 8, 9] in live_paths, "7 8 9 occurred before, followed by 10 7 8 9"
-    logits, _ = tree.verify(model.params, config, cache, nodes, 4)
+    logits, _ = verify_tree(model.params, config, cache, nodes, 4)
     for i, path in enumerate(_paths(nodes)):
         if np.asarray(nodes.live)[0, i]:
             reference = numpy_logits(model, prefix + [9] + path)[-1]
