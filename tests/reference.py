@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
 import s3d_jax
 from s3d_jax import Model, ModelConfig, bundled, checkpoint
+from s3d_jax.cache import cached_forward, prompt_forward
 from s3d_jax.model import init_params
+from s3d_jax.speculative import draft_s3d
+
+# `cached_forward` jitted, for tests that run passes one by one: one compile per shape instead of one per operation.
+forward = jax.jit(cached_forward, static_argnums=(1, 4, 5))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "plan"))
+def draft_logits_after(params, config, plan, tokens_1T, n, context_1L=None):
+    """`draft_s3d`'s logits `[γ, V]` for the block at `x_n = tokens_1T[0, n]`, the prompt pass having put
+    all of `tokens_1T` in the cache: its slots at or past `n` are stale, never read (so one compile
+    serves every `n`, and a draft that read them would see what follows)."""
+    _, cache = prompt_forward(params, config, tokens_1T, 32)
+    return draft_s3d(params, config, plan, cache.replace(lengths=n[None]), tokens_1T[:, n], jax.random.key(0), context_1L)[1][0]
 
 # The options that change how a decode drafts, never what it emits: its plain twin drops them.
 SPECULATIVE_OPTIONS = ("method", "gamma", "skip", "tree", "lookup", "min_certainty")

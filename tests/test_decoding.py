@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import assert_exact, numpy_logits, tiny_model
+from reference import assert_exact, forward, numpy_logits, tiny_model
 
 import s3d_jax
 from s3d_jax import api, cpu, decoding
@@ -25,9 +25,7 @@ def random_prompts(lengths, vocab=95, seed=0):
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
-# The passes that the cache's tests run step by step, jitted: one compile per shape instead of one per operation.
-forward = jax.jit(cached_forward, static_argnums=(1, 4, 5))
-logits_of = jax.jit(lm_logits, static_argnums=1)
+logits_of = jax.jit(lm_logits, static_argnums=1)  # beside `forward`, for the cache's step-by-step tests
 
 
 @pytest.fixture(scope="module")

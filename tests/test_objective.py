@@ -1,14 +1,11 @@
 """The training objective: what the draft pass sees in training is what it sees at inference."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import tiny_model
+from reference import draft_logits_after, tiny_model
 
-from s3d_jax.cache import KVCache, cached_forward
 from s3d_jax.checkpoint import Model
 from s3d_jax.drafter import with_draft_vocab
 from s3d_jax.model import NEG_INF
@@ -22,7 +19,7 @@ from s3d_jax.objective import (
     loss_fn,
     target_pass,
 )
-from s3d_jax.speculative import Plan, draft_s3d
+from s3d_jax.speculative import Plan
 
 
 def single_batch(tokens, loss_mask=None):
@@ -33,16 +30,6 @@ def single_batch(tokens, loss_mask=None):
         segment_ids=jnp.ones((1, T), jnp.int32),
         loss_mask=jnp.ones((1, T), bool) if loss_mask is None else jnp.asarray([loss_mask]),
     )
-
-
-@functools.partial(jax.jit, static_argnames=("config", "plan"))
-def inference_draft_logits(params, config, plan, tokens_1T, n, x_n):
-    """`draft_s3d`'s logits after the first `n` tokens of `tokens_1T`, all of which the cache holds: its
-    slots at or past `n` are stale, never read (so one compile serves every anchor, and a draft that
-    read them would see the answer)."""
-    cache = KVCache.zeros(config, 1, 32)
-    _, cache = cached_forward(params, config, cache, tokens_1T, config.all_layers, True)
-    return draft_s3d(params, config, plan, cache.replace(lengths=n[None]), x_n[None], jax.random.key(0))[1][0]
 
 
 @pytest.mark.parametrize("gamma,skip,lora,vocab", [(3, (2, 3), 0, 0), (4, (1, 4), 0, 0), (2, (3, 3), 4, 0), (3, (1, 2), 4, 40)])
@@ -73,8 +60,7 @@ def test_training_draft_pass_matches_inference(gamma, skip, lora, vocab):
     for n in anchors:
         if n == 0 or n + gamma > T:
             continue
-        inference_logits = np.asarray(inference_draft_logits(model.params, config, plan, jnp.asarray([tokens]), jnp.int32(n),
-                                                             jnp.int32(tokens[n])))
+        inference_logits = np.asarray(draft_logits_after(model.params, config, plan, jnp.asarray([tokens]), jnp.int32(n)))
         if vocab:
             scored = np.asarray(model.params["draft_vocab"])
             assert np.all(np.delete(inference_logits, scored, axis=-1) == NEG_INF), "only the draft vocabulary is scored"

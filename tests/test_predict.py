@@ -133,14 +133,12 @@ def test_static_tree_e_counts_the_most_frequent_rank_paths():
 def test_draft_ranks_equal_a_draft_pass_from_each_prefix(draft_vocab):
     """With a reduced draft head the pass also scores the context so far, as decoding does, and
     never the reply's later tokens (which would leak the answer into the ranks)."""
-    import jax
     import jax.numpy as jnp
-    from reference import tiny_model
+    from reference import draft_logits_after, tiny_model
 
-    from s3d_jax.cache import prompt_forward
     from s3d_jax.drafter import with_draft_vocab
     from s3d_jax.predict.replies import draft_ranks
-    from s3d_jax.speculative import Plan, draft_s3d
+    from s3d_jax.speculative import Plan
 
     model = tiny_model(seed=3)
     params, config = model.params, model.config.replace(draft_skip=(2, 3))
@@ -151,21 +149,12 @@ def test_draft_ranks_equal_a_draft_pass_from_each_prefix(draft_vocab):
     got = draft_ranks(model, [(prompt, reply)], gamma)[0]
     ids = prompt + reply
     plan = Plan.make(model.config, "s3d", gamma=gamma, skip=(2, 3))
-
-    @jax.jit
-    def ranks_after(n, seen_1T):
-        """The draft pass's ranks of the reply's next γ tokens after its first `n` tokens: the cache
-        holds them all, its slots at or past `n` stale (so one compile serves every `n`)."""
-        _, cache = prompt_forward(model.params, model.config, jnp.asarray([ids]), 32)
-        _, logits, _ = draft_s3d(model.params, model.config, plan, cache.replace(lengths=n[None]), jnp.asarray(ids)[n][None],
-                                 jax.random.key(0), seen_1T)
-        own = logits[0, jnp.arange(gamma), jax.lax.dynamic_slice(jnp.asarray(ids), (n + 1,), (gamma,))]
-        return jnp.sum(logits[0] > own[:, None], axis=1)
-
     want = []
     for n in range(len(prompt), len(ids) - gamma):
         seen = jnp.asarray([ids[: n + 1] + [0] * (len(ids) - n - 1)])  # the tokens so far; later slots hold padding
-        want.append(np.asarray(ranks_after(jnp.int32(n), seen)))
+        logits = np.asarray(draft_logits_after(model.params, model.config, plan, jnp.asarray([ids]), jnp.int32(n), seen))
+        own = logits[np.arange(gamma), ids[n + 1: n + 1 + gamma]]
+        want.append(np.sum(logits > own[:, None], axis=1))
     np.testing.assert_array_equal(got, np.array(want))
 
 

@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import assert_exact, numpy_logits, tiny_model
+from reference import assert_exact, forward, numpy_logits, tiny_model
 
 import s3d_jax
 from s3d_jax import api, decoding, planning, sampling, speculative, tree
-from s3d_jax.cache import KVCache, cached_forward, prompt_forward
+from s3d_jax.cache import KVCache, prompt_forward
 from s3d_jax.kernel import ffi
 
 
@@ -18,7 +18,6 @@ def model():
 
 
 # The passes the tests run one by one, jitted as decoding runs them: one compile per shape instead of one per operation.
-forward = jax.jit(cached_forward, static_argnums=(1, 4, 5))
 build_tree = jax.jit(tree.build, static_argnums=2)
 verify_tree = jax.jit(tree.verify, static_argnums=(1, 4))
 verify_tree_block = jax.jit(tree.verify_block, static_argnums=(1, 4))
