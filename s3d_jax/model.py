@@ -260,15 +260,26 @@ def causal_mask(T: int):
     return t[:, None] >= t[None, :]
 
 
-def init_params(config: ModelConfig, rng: jax.Array):
-    """Random parameters (normal, std 0.02), for tests and new models."""
+def _random_params(config: ModelConfig, rng: jax.Array):
     tokens = jnp.zeros((1, 1), jnp.int32)
     return Transformer(config).init(rng, tokens, method=Transformer.init_all)["params"]
 
 
+# LLVM's level 1 compiles a normal sampler's polynomial about 5x faster than its default 2, to the same bits.
+RANDOM_INIT_OPTIONS = {"xla_backend_optimization_level": 1}
+# One program per config: run eagerly, each distinct shape's sampler compiles on its own (7.6 s for a
+# tiny 6-layer model on a 2-core CPU, against 1.1 s so).
+_init_program = jax.jit(_random_params, static_argnums=0, compiler_options=RANDOM_INIT_OPTIONS)
+
+
+def init_params(config: ModelConfig, rng: jax.Array):
+    """Random parameters (normal, std 0.02), for tests and new models."""
+    return _init_program(config, rng)
+
+
 def abstract_params(config: ModelConfig):
     """Parameter shapes and dtypes, allocating nothing."""
-    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    return jax.eval_shape(lambda: _random_params(config, jax.random.key(0)))
 
 
 def run_layers(params, config: ModelConfig, tokens_BT, positions_BT, context: Context, layers, draft=False):

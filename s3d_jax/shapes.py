@@ -16,7 +16,7 @@ import numpy as np
 
 from s3d_jax.checkpoint import Model
 from s3d_jax.config import DTYPES, ConfigError, ModelConfig
-from s3d_jax.model import abstract_params, default_draft_vocab
+from s3d_jax.model import RANDOM_INIT_OPTIONS, abstract_params, default_draft_vocab
 
 _LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
@@ -109,7 +109,7 @@ def random_params(config: ModelConfig, seed: int = 0):
     return jax.tree.unflatten(treedef, [leaf(key, path, like) for key, (path, like) in zip(keys, leaves, strict=True)])
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnums=(1, 2), compiler_options=RANDOM_INIT_OPTIONS)
 def _normal(key, shape, dtype):
     return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 

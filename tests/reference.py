@@ -64,8 +64,8 @@ def tiny_model(seed: int = 0, scale: float = 4.0, **overrides) -> Model:
     """A random model; weights scaled up from std 0.02 so its predictions are not near-uniform."""
     config = tiny_config(**overrides)
     params = init_params(config, jax.random.key(seed))
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, x: x if "scale" in jax.tree_util.keystr(path) else x * scale, params
+    params = jax.tree_util.tree_map_with_path(  # on the host: an eager multiply would compile once per shape
+        lambda path, x: x if "scale" in jax.tree_util.keystr(path) else jax.numpy.asarray(np.asarray(x) * np.float32(scale)), params
     )
     return Model(params, config)
 

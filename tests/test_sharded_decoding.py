@@ -58,7 +58,7 @@ def run_child(cases: list[dict], devices: int) -> list[dict]:
 # (Explicit axes), the others with Auto axes.
 FAMILY_CASES = {
     "llama": (["ar", "s3d_tree", "s3d_chain", "selfspec", "sampled"], (4,), {3: "num_heads of 8"}),
-    "qwen3": (["s3d_tree"], (2, 3), {4: "num_kv_heads of 6"}),
+    "qwen3": (["s3d_tree"], (3,), {4: "num_kv_heads of 6"}),
     "gemma2": (["s3d_tree"], (3,), {2: "num_kv_heads of 3", 4: "num_heads of 6"}),
     "llama_int8": (["s3d_tree"], (2,), {3: "num_heads of 4"}),  # int8 values and scales split with their weights
 }
