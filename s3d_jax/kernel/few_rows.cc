@@ -504,27 +504,84 @@ Product Plan(const float* x, W reader, float* y, int64_t M, int64_t K, int64_t s
 // depend on its own values alone, so its product is the same whatever rows share the pass.
 constexpr int64_t kActivationBlock = 16;  // an int4 weight's block of rows (Int4Weight::kRows), within one group
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define S3D_INT8_QUADS 1  // AVX512-VNNI's `vpdpbusd`: four code products summed into each int32 lane
+#endif
+
 struct Int8Rows {
   std::vector<int8_t> codes;  // [M, K]
+  // [M, K / 4] with S3D_INT8_QUADS: a block's codes as four int32s of four bytes, its entries 0, 2, 4,
+  // 6; 1, 3, 5, 7; 8, 10, 12, 14; 9, 11, 13, 15 (the order of `CodeQuads`'s lanes)
+  std::vector<int32_t> quads;
   std::vector<float> scale;   // [M, K / 16]
-  std::vector<float> sum;     // [M, K / 16]: x's own sum over the block, in order, for the weight's minimum
+  std::vector<float> sum;     // [M, K / 16]: x's own sum over the block (`BlockSum`), for the weight's minimum
 };
+
+// A block's sum in halves: entries i and i + 8, then i and i + 4, i and i + 2, the last two. The
+// order is fixed so that the vector and scalar code give the same bits.
+inline float BlockSum(const float* block) {
+  float sums[8];
+  for (int width = 8, i = 0; i < width; ++i) sums[i] = block[i] + block[i + width];
+  for (int width = 4; width > 0; width /= 2)
+    for (int i = 0; i < width; ++i) sums[i] += sums[i + width];
+  return sums[0];
+}
 
 Int8Rows QuantizeRows(const float* x, int64_t M, int64_t K) {
   const int64_t blocks = M * K / kActivationBlock;
-  Int8Rows rows{std::vector<int8_t>(M * K), std::vector<float>(blocks), std::vector<float>(blocks)};
+  Int8Rows rows{std::vector<int8_t>(M * K), {}, std::vector<float>(blocks), std::vector<float>(blocks)};
+#if defined(S3D_INT8_QUADS)
+  rows.quads.resize(M * K / 4);
+  const __m128i kQuadOrder = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+#endif
   for (int64_t b = 0; b < blocks; ++b) {
     const float* block = x + b * kActivationBlock;
-    float largest = 0, sum = 0;
-    for (int64_t i = 0; i < kActivationBlock; ++i) largest = std::max(largest, std::fabs(block[i])), sum += block[i];
+    int8_t* codes = rows.codes.data() + b * kActivationBlock;
+#if defined(__AVX512F__)
+    const __m512 values = _mm512_loadu_ps(block);
+    const float largest = _mm512_reduce_max_ps(_mm512_abs_ps(values));  // a maximum's order does not matter
+    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(values), _mm512_extractf32x8_ps(values, 1));
+    const __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+    const __m128 eighth = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
+    rows.sum[b] = _mm_cvtss_f32(_mm_add_ss(eighth, _mm_movehdup_ps(eighth)));
     const float inverse = largest > 0 ? 127.0f / largest : 0.0f;
-    for (int64_t i = 0; i < kActivationBlock; ++i) rows.codes[b * kActivationBlock + i] = int8_t(std::nearbyint(block[i] * inverse));
+    // Rounded to the nearest, ties to even (the default rounding mode), as std::nearbyint rounds.
+    const __m128i block_codes = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(values, _mm512_set1_ps(inverse))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), block_codes);
+#if defined(S3D_INT8_QUADS)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows.quads.data() + 4 * b), _mm_shuffle_epi8(block_codes, kQuadOrder));
+#endif
+#else
+    float largest = 0;
+    for (int64_t i = 0; i < kActivationBlock; ++i) largest = std::max(largest, std::fabs(block[i]));
+    rows.sum[b] = BlockSum(block);
+    const float inverse = largest > 0 ? 127.0f / largest : 0.0f;
+    for (int64_t i = 0; i < kActivationBlock; ++i) codes[i] = int8_t(std::nearbyint(block[i] * inverse));
+#endif
     rows.scale[b] = largest / 127.0f;
-    rows.sum[b] = sum;
   }
   return rows;
 }
 
+#if defined(S3D_INT8_QUADS)
+// 16 columns' codes of weight rows k .. k + 7 (byte rows p .. p + 3, `stride` bytes apart) as two
+// vectors of 16 int32 lanes, four codes to a lane: rows k, k + 2, k + 4, k + 6 (the bytes' low
+// nibbles) in `even` and rows k + 1, k + 3, k + 5, k + 7 (their high ones) in `odd`.
+inline void CodeQuads(const uint8_t* p, int64_t stride, __m512i* even, __m512i* odd) {
+  alignas(64) static constexpr auto kTranspose = [] {  // byte 4j + i of the quads is column j of byte row i
+    std::array<uint8_t, 64> index{};
+    for (int j = 0; j < 16; ++j)
+      for (int i = 0; i < 4; ++i) index[4 * j + i] = uint8_t(16 * i + j);
+    return index;
+  }();
+  __m512i rows = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  for (int i = 1; i < 4; ++i) rows = _mm512_mask_broadcast_i32x4(rows, __mmask16(0xF << (4 * i)), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * stride)));
+  const __m512i quads = _mm512_permutexvar_epi8(_mm512_load_si512(kTranspose.data()), rows);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  *even = _mm512_and_si512(quads, nibble);
+  *odd = _mm512_and_si512(_mm512_srli_epi32(quads, 4), nibble);
+}
+#endif
 #if defined(__AVX2__)
 // 16 columns' codes of rows k and k + 1 (one byte row of an int4 weight) as 16 int16 lanes: row k's
 // code in the low byte, row k + 1's in the high one, the pairs `_mm256_maddubs_epi16` multiplies.
@@ -537,24 +594,77 @@ inline __m256 Scales8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 Scales8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
 
+#if defined(S3D_INT8_QUADS)
+constexpr int64_t kQuadChunk = 4;  // blocks of 16 rows whose sums stay in registers between loads of y
+
+// `ColumnsInt8Rows` with `vpdpbusd`, over whole vectors of 16 columns from n0, y kept in registers
+// over a chunk of blocks (the same sums in the same order as the blocks' epilogue there); returns
+// the first column it left.
+template <int T, typename Scale>
+int64_t VectorsInt8Quads(const Int8Rows& x, int64_t m, const Int4Weight<Scale>& w, float* y, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t N = w.N, blocks = K / kActivationBlock, n_end = n0 + (n1 - n0) / 16 * 16;
+  const int32_t* quads = x.quads.data() + m * (K / 4);
+  const float* scale_x = x.scale.data() + m * blocks;
+  const float* sum_x = x.sum.data() + m * blocks;
+  for (int64_t first = 0; first < blocks; first += kQuadChunk) {
+    const int64_t last = std::min(blocks, first + kQuadChunk);
+    const bool next = last < blocks;
+    for (int64_t n = n0; n < n_end; n += 16) {
+      // The next chunk's rows, a cache line (64 columns) ahead of their use.
+      if (next && n % 64 == 0)
+        for (int64_t p = last * kActivationBlock / 2; p < std::min(blocks, last + kQuadChunk) * kActivationBlock / 2; ++p)
+          __builtin_prefetch(w.w + p * N + n);
+      __m512 out[T];
+      for (int t = 0; t < T; ++t) out[t] = first == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + t * N + n);
+      for (int64_t block = first; block < last; ++block) {
+        const int64_t k0 = block * kActivationBlock;
+        __m512i acc[T];
+        for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {
+          __m512i even, odd;
+          CodeQuads(w.w + (k0 / 2 + 4 * h) * N + n, N, &even, &odd);
+          for (int t = 0; t < T; ++t) {
+            const int32_t* quad = quads + t * (K / 4) + 4 * block + 2 * h;
+            acc[t] = _mm512_dpbusd_epi32(acc[t], even, _mm512_set1_epi32(quad[0]));
+            acc[t] = _mm512_dpbusd_epi32(acc[t], odd, _mm512_set1_epi32(quad[1]));
+          }
+        }
+        const int64_t at = (k0 >> w.group_shift) * N + n;
+        const __m512 scale = reinterpret_cast<__m512>(LoadScales(w.scale + at)), min = reinterpret_cast<__m512>(LoadScales(w.min + at));
+        for (int t = 0; t < T; ++t)
+          out[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), _mm512_mul_ps(_mm512_set1_ps(scale_x[t * blocks + block]), scale),
+                                   _mm512_fmadd_ps(_mm512_set1_ps(sum_x[t * blocks + block]), min, out[t]));
+      }
+      for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + t * N + n, out[t]);
+    }
+  }
+  return n_end;
+}
+#endif
+
 // y[t, n] = sum over blocks of 16 rows k of (scale_x * sum_k code_x[t, k] * code[k, n]) * scale[n] +
-// sum_x * min[n]: the integer sum of 8 pairs fits int16 (at most 8 * 2 * 127 * 15).
+// sum_x * min[n]. The block's integer sum is exact whichever instructions take it (with AVX2 in
+// int16 lanes: at most 8 * 2 * 127 * 15), and its float epilogue is the same, so every machine's
+// kernel gives the same bits.
 template <int T, typename Scale>
 void ColumnsInt8Rows(const Int8Rows& x, int64_t m, const Int4Weight<Scale>& w, float* y, int64_t K, int64_t n0, int64_t n1) {
   const int64_t N = w.N, blocks = K / kActivationBlock;
+#if defined(S3D_INT8_QUADS)
+  n0 = VectorsInt8Quads<T>(x, m, w, y, K, n0, n1);
+#endif
   for (int t = 0; t < T; ++t) std::memset(y + t * N + n0, 0, sizeof(float) * (n1 - n0));
   for (int64_t k0 = 0; k0 < K; k0 += kActivationBlock) {
     const int64_t block = k0 / kActivationBlock;
     float scale_x[T], sum_x[T];
-    int16_t pairs[T][kActivationBlock / 2];  // row t's codes of rows 2p and 2p + 1, as bytes of one int16
-    for (int t = 0; t < T; ++t) {
-      const int8_t* codes = x.codes.data() + (m + t) * K + k0;
-      scale_x[t] = x.scale[(m + t) * blocks + block], sum_x[t] = x.sum[(m + t) * blocks + block];
-      for (int p = 0; p < kActivationBlock / 2; ++p) pairs[t][p] = int16_t(uint8_t(codes[2 * p]) | uint16_t(uint8_t(codes[2 * p + 1])) << 8);
-    }
+    for (int t = 0; t < T; ++t) scale_x[t] = x.scale[(m + t) * blocks + block], sum_x[t] = x.sum[(m + t) * blocks + block];
     const bool next = k0 + kActivationBlock < K;
     int64_t n = n0;
 #if defined(__AVX2__)
+    int16_t pairs[T][kActivationBlock / 2];  // row t's codes of rows 2p and 2p + 1, as bytes of one int16
+    for (int t = 0; t < T; ++t) {
+      const int8_t* codes = x.codes.data() + (m + t) * K + k0;
+      for (int p = 0; p < kActivationBlock / 2; ++p) pairs[t][p] = int16_t(uint8_t(codes[2 * p]) | uint16_t(uint8_t(codes[2 * p + 1])) << 8);
+    }
     __m256i broadcast[T][kActivationBlock / 2];  // loaded in the loop: a broadcast there cost a shuffle per multiply
     for (int t = 0; t < T; ++t)
       for (int p = 0; p < kActivationBlock / 2; ++p) broadcast[t][p] = _mm256_set1_epi16(pairs[t][p]);
