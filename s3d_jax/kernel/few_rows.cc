@@ -498,6 +498,22 @@ Product Plan(const float* x, W reader, float* y, int64_t M, int64_t K, int64_t s
   });
 }
 
+typedef float Lanes8 __attribute__((vector_size(32)));
+typedef float Lanes4 __attribute__((vector_size(16)));
+
+// The 16 lanes' sum as a fixed tree of halves: the same order every time, in a few shuffles.
+inline float SumLanes(Lanes v) {
+  const Lanes8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Lanes4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+inline float MaxLanes(Lanes v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
 // Activations as int8 (`activations="int8"`): each row of x is quantized per block of 16 inputs to
 // int8 codes with one float32 scale (the block's largest magnitude / 127), so that an int4 weight's
 // codes are summed with integer multiply-adds, exact in any order, as llama.cpp does. A row's codes
@@ -514,18 +530,8 @@ struct Int8Rows {
   // 6; 1, 3, 5, 7; 8, 10, 12, 14; 9, 11, 13, 15 (the order of `CodeQuads`'s lanes)
   std::vector<int32_t> quads;
   std::vector<float> scale;   // [M, K / 16]
-  std::vector<float> sum;     // [M, K / 16]: x's own sum over the block (`BlockSum`), for the weight's minimum
+  std::vector<float> sum;     // [M, K / 16]: x's own sum over the block (`SumLanes`), for the weight's minimum
 };
-
-// A block's sum in halves: entries i and i + 8, then i and i + 4, i and i + 2, the last two. The
-// order is fixed so that the vector and scalar code give the same bits.
-inline float BlockSum(const float* block) {
-  float sums[8];
-  for (int width = 8, i = 0; i < width; ++i) sums[i] = block[i] + block[i + width];
-  for (int width = 4; width > 0; width /= 2)
-    for (int i = 0; i < width; ++i) sums[i] += sums[i + width];
-  return sums[0];
-}
 
 Int8Rows QuantizeRows(const float* x, int64_t M, int64_t K) {
   const int64_t blocks = M * K / kActivationBlock;
@@ -535,30 +541,21 @@ Int8Rows QuantizeRows(const float* x, int64_t M, int64_t K) {
   const __m128i kQuadOrder = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
 #endif
   for (int64_t b = 0; b < blocks; ++b) {
-    const float* block = x + b * kActivationBlock;
+    const Lanes block = *reinterpret_cast<const Lanes*>(x + b * kActivationBlock);
+    const float largest = MaxLanes(block < 0 ? -block : block), inverse = largest > 0 ? 127.0f / largest : 0.0f;
+    rows.scale[b] = largest / 127.0f;
+    rows.sum[b] = SumLanes(block);
     int8_t* codes = rows.codes.data() + b * kActivationBlock;
 #if defined(__AVX512F__)
-    const __m512 values = _mm512_loadu_ps(block);
-    const float largest = _mm512_reduce_max_ps(_mm512_abs_ps(values));  // a maximum's order does not matter
-    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(values), _mm512_extractf32x8_ps(values, 1));
-    const __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-    const __m128 eighth = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
-    rows.sum[b] = _mm_cvtss_f32(_mm_add_ss(eighth, _mm_movehdup_ps(eighth)));
-    const float inverse = largest > 0 ? 127.0f / largest : 0.0f;
     // Rounded to the nearest, ties to even (the default rounding mode), as std::nearbyint rounds.
-    const __m128i block_codes = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(values, _mm512_set1_ps(inverse))));
+    const __m128i block_codes = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(reinterpret_cast<__m512>(block), _mm512_set1_ps(inverse))));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), block_codes);
 #if defined(S3D_INT8_QUADS)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(rows.quads.data() + 4 * b), _mm_shuffle_epi8(block_codes, kQuadOrder));
 #endif
 #else
-    float largest = 0;
-    for (int64_t i = 0; i < kActivationBlock; ++i) largest = std::max(largest, std::fabs(block[i]));
-    rows.sum[b] = BlockSum(block);
-    const float inverse = largest > 0 ? 127.0f / largest : 0.0f;
     for (int64_t i = 0; i < kActivationBlock; ++i) codes[i] = int8_t(std::nearbyint(block[i] * inverse));
 #endif
-    rows.scale[b] = largest / 127.0f;
   }
   return rows;
 }
@@ -886,21 +883,6 @@ ffi::Error FewRowMatmulInt4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi
 // slots lane by lane from slot 0), whatever the rows beside it or the slots past its bound.
 typedef int32_t Ints __attribute__((vector_size(64)));
 constexpr Ints kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-typedef float Lanes8 __attribute__((vector_size(32)));
-typedef float Lanes4 __attribute__((vector_size(16)));
-
-// The 16 lanes' sum as a fixed tree of halves: the same order every time, in a few shuffles.
-inline float SumLanes(Lanes v) {
-  const Lanes8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Lanes4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-}
-
-inline float MaxLanes(Lanes v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
-  return m;
-}
 
 // exp(x) for x <= 0 (a score less the row's maximum), within 1.01 ulp of the exact value over [-87, 0]; below -87, 0.
 // exp(x) = 2^n exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by Cephes's polynomial for expf.
