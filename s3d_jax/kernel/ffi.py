@@ -138,15 +138,14 @@ def _product_jvp(primals, tangents):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
 def quantized_product(x_MK, w, at, beside=(), int8_activations=False):
     """`product` with entry `at[0]` of a stack of quantized weights `[L, K, N]` (`quant`), and
-    `x @ b[at[i + 1]]` for each float stack b of `beside`, in one call. With `int8_activations`, a
-    4-bit weight's product quantizes x per row and block of 16 and sums integers (few_rows.cc,
-    `Int8Rows`); its tangents are the float product's."""
+    `x @ b[at[i + 1]]` for each float stack b of `beside`, in one call. With `int8_activations`, the
+    product quantizes x per row and block of 16 and sums integers (few_rows.cc, `Int8Rows`); its
+    tangents are the float product's."""
     four_bits = quant.bits_of(w) == 4
     call = jax.ffi.ffi_call(TARGET_INT4 if four_bits else TARGET_INT8, _results(x_MK, (w["values"], *beside)),
                             vmap_method="sequential")
     low = w["min"] if "min" in w else jnp.zeros((0,), jnp.float32)  # an int8 weight without a minimum passes an empty one
-    attributes = {"int8_activations": bool(int8_activations)} if four_bits else {}
-    return tuple(call(x_MK, w["values"], w["scale"], low, _at(at), *beside, **attributes))
+    return tuple(call(x_MK, w["values"], w["scale"], low, _at(at), *beside, int8_activations=bool(int8_activations)))
 
 
 @quantized_product.defjvp
