@@ -609,8 +609,11 @@ template <typename Scale>
 inline int32_t Offset(const Int4Weight<Scale>&, int32_t) { return 0; }
 inline int32_t Offset(const Int8Weight&, int32_t code_sum) { return 128 * code_sum; }
 
-template <typename W>
-constexpr int64_t kQuadChunk = W::kRowsPerLoad == 2 ? 4 : 1;  // blocks of 16 rows whose sums stay in registers between loads of y
+// Blocks of 16 rows whose sums stay in registers between loads of y: 4 for an int4 weight's few rows
+// (32 byte rows), 1 for one row (bound by memory, whose prefetcher follows fewer runs better) and for
+// an int8 weight (a chunk of 4, 64 runs, made its one-row product 2x slower).
+template <typename W, int T>
+constexpr int64_t kQuadChunk = W::kRowsPerLoad == 2 && T > 1 ? 4 : 1;
 
 // `ColumnsInt8Rows` with `vpdpbusd`, over whole vectors of 16 columns from n0, y kept in registers
 // over a chunk of blocks; returns the first column it left.
@@ -621,13 +624,13 @@ int64_t VectorsInt8Quads(const Int8Rows& x, int64_t m, const W& w, float* y, int
   const float* scale_x = x.scale.data() + m * blocks;
   const float* sum_x = x.sum.data() + m * blocks;
   const int32_t* code_sum = x.code_sum.data() + m * blocks;
-  for (int64_t first = 0; first < blocks; first += kQuadChunk<W>) {
-    const int64_t last = std::min(blocks, first + kQuadChunk<W>);
+  for (int64_t first = 0; first < blocks; first += kQuadChunk<W, T>) {
+    const int64_t last = std::min(blocks, first + kQuadChunk<W, T>);
     const bool next = last < blocks;
     for (int64_t n = n0; n < n_end; n += 16) {
       // The next chunk's rows, a cache line (64 columns) ahead of their use.
       if (next && n % 64 == 0)
-        for (int64_t k = last * kActivationBlock; k < std::min(blocks, last + kQuadChunk<W>) * kActivationBlock; k += W::kRowsPerLoad)
+        for (int64_t k = last * kActivationBlock; k < std::min(blocks, last + kQuadChunk<W, T>) * kActivationBlock; k += W::kRowsPerLoad)
           __builtin_prefetch(static_cast<const char*>(w.Row(k)) + n);
       __m512 out[T];
       for (int t = 0; t < T; ++t) out[t] = first == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + t * N + n);
