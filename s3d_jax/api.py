@@ -42,7 +42,7 @@ def load(
     `draft_vocab_size` overrides the drafter's reduced draft head: N most frequent tokens, 0 for all.
     `mesh` (a Mesh with a `model` axis, or text such as "model=4") splits the model over devices,
     tensor-parallel; decoding then runs over them with the same outputs (docs/usage.md, "Several devices").
-    `activations="int8"` has a 4-bit weight's products on a CPU quantize the activations per row and
+    `activations="int8"` has a quantized weight's products on a CPU quantize the activations per row and
     block of 16 and sum integers, llama.cpp's way: faster, slightly other numbers (docs/models.md,
     "Integer activations"); "float32", the default, reads them as they are."""
     compile_cache.enable()  # before anything compiles: a later process loads the decode loops instead

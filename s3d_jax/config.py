@@ -119,7 +119,7 @@ class ModelConfig:
     # A quantized model's weights held in other formats than its dtype's, as (name, format) pairs: a
     # GGUF's blocks kept exactly (`quant.Format`), e.g. ("down", "int8-g16-min") for Q4_K and Q6_K layers.
     weight_formats: tuple[tuple[str, str], ...] = ()
-    # How a 4-bit weight's products read the activations on a CPU: "float32" as they are, or "int8",
+    # How a quantized weight's products read the activations on a CPU: "float32" as they are, or "int8",
     # quantized per row and block of 16 inputs and summed with integer multiply-adds (llama.cpp's way:
     # faster for several rows, slightly other numbers). A loading choice, not the weights'.
     activations: str = "float32"

@@ -182,7 +182,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=tuple(DTYPES),
                         help="cast the weights on loading, or quantize the projections' (int8) (default: the checkpoint's own)")
     parser.add_argument("--activations", default="float32", choices=ACTIVATION_MODES,
-                        help="int8: a 4-bit weight's products quantize the activations and sum integers on a CPU (faster, "
+                        help="int8: a quantized weight's products quantize the activations and sum integers on a CPU (faster, "
                              "slightly other numbers); float32 (default): as they are")
     parser.add_argument("--mesh", default=None, metavar="model=N[,data=M]",
                         help="split the model over N devices, tensor-parallel (default: one device)")

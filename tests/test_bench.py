@@ -13,6 +13,7 @@ import pytest
 from reference import save_chat_model, tiny_model
 
 from s3d_jax import checkpoint
+from s3d_jax.bench import harness
 from s3d_jax.bench.quality import pass_at_1, rouge
 from s3d_jax.bench.suites import humaneval_completion
 from s3d_jax.metrics import expected_tokens, memory_normalised_speedup
@@ -269,3 +270,13 @@ def test_an_engine_ends_when_its_benchmark_is_killed(tmp_path):
     if survived:
         os.kill(engine_pid, signal.SIGKILL)
     assert not survived, "the engine went on running after its benchmark was killed"
+
+
+def test_an_engine_that_crashes_is_named_with_its_signal():
+    """A crashed engine (llama.cpp's build for AMX segfaulted on quantized GGUFs) names itself and the
+    signal, and a failing one its exit status, instead of a bare CalledProcessError."""
+    crash = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    with pytest.raises(harness.EngineFailed, match=r"`python -c .*` died of SIGSEGV"):
+        harness.run_engine(["-c", crash], {})
+    with pytest.raises(harness.EngineFailed, match=r"exited with status 3"):
+        harness.run_engine(["-c", "raise SystemExit(3)"], {})

@@ -172,7 +172,7 @@ def run_llama_cpp(args, lookup: bool) -> dict:
     """llama.cpp on the GGUF, the same prompts and token counts, in its own process."""
     request = {"gguf": args.gguf or str(bundled.gguf_path(args.model)), "tokenizer": args.model_dir, "prompts": chat_prompts(args.prompts),
                "max_new_tokens": args.max_new_tokens, "lookup": lookup, "stop_at_eos": False}
-    result = harness.run_engine(["-m", "s3d_jax.bench.llama_cpp_peer"], request)
+    result = llama_cpp_peer.run(request)
     tokens, seconds = sum(len(r["tokens"]) for r in result["records"]), sum(r["seconds"] for r in result["records"])
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_mib": result["peak_memory_mib"],
             "version": result["llama_cpp"]}

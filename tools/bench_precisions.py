@@ -191,7 +191,7 @@ def main(argv=None) -> int:
                        "tokenizer": str(bundled.ensure_converted(model=bundled.named(args.model))),
                        "prompts": prompts,
                        "max_new_tokens": args.max_new_tokens, "lookup": False, "stop_at_eos": True}
-            results[dtype]["llama_cpp"] = harness.run_engine(["-m", "s3d_jax.bench.llama_cpp_peer"], request)
+            results[dtype]["llama_cpp"] = llama_cpp_peer.run(request)
     rows = summarize(results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

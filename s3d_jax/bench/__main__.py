@@ -104,7 +104,7 @@ def llama_cpp_request(peer: str, model_dir: str, prompts: dict, args) -> dict:
 
 def run_peer(peer: str, hf_model: str | None, model_dir: str, prompts: dict, args) -> dict:
     if peer in LLAMA_CPP_PEERS:
-        return harness.run_engine(["-m", "s3d_jax.bench.llama_cpp_peer"], llama_cpp_request(peer, model_dir, prompts, args))
+        return llama_cpp_peer.run(llama_cpp_request(peer, model_dir, prompts, args))
     return harness.run_engine(["-m", "s3d_jax.bench.peers"], peer_request(peer, hf_model, prompts, args))
 
 

@@ -19,13 +19,25 @@ import tempfile
 from pathlib import Path
 
 
+class EngineFailed(RuntimeError):
+    """An engine's process that ended without writing its result."""
+
+    def __init__(self, command: list[str], returncode: int):
+        how = f"died of {signal.Signals(-returncode).name}" if returncode < 0 else f"exited with status {returncode}"
+        super().__init__(f"the engine `python {' '.join(command)}` {how} (its own output is above)")
+        self.returncode = returncode
+
+
 def run_engine(command: list[str], request: dict) -> dict:
-    """Runs `python *command REQUEST RESULT` on the JSON `request` and returns the result it wrote."""
+    """Runs `python *command REQUEST RESULT` on the JSON `request` and returns the result it wrote;
+    raises EngineFailed where the process fails."""
     with tempfile.TemporaryDirectory() as scratch:
         request_path, result_path = Path(scratch) / "request.json", Path(scratch) / "result.json"
         request_path.write_text(json.dumps(request))
         env = {**os.environ, PARENT_PID: str(os.getpid())}
-        subprocess.run([sys.executable, *command, str(request_path), str(result_path)], check=True, env=env)
+        done = subprocess.run([sys.executable, *command, str(request_path), str(result_path)], env=env)
+        if done.returncode != 0:
+            raise EngineFailed(command, done.returncode)
         return json.loads(result_path.read_text())
 
 

@@ -17,12 +17,37 @@ from s3d_jax.bench import harness
 from s3d_jax.bench.suites import BenchError, run_turns
 
 EXTRA = "pip install 's3d-jax[llama]' (it builds llama.cpp, a few minutes)"
+# llama-cpp-python 0.3.36 built for a CPU with AMX (its default, GGML_NATIVE) crashed on every
+# quantized GGUF on a Sapphire Rapids Xeon, in its AMX weights; without AMX it runs (docs/benchmarks.md).
+WITHOUT_AMX = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON '
+               '-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON" '
+               "pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python")
 
 
 def require() -> None:
     """Raises BenchError naming the extra to install when llama-cpp-python is missing."""
     if importlib.util.find_spec("llama_cpp") is None:
         raise BenchError(f"the llama.cpp peer needs llama-cpp-python: {EXTRA}")
+
+
+def run(request: dict) -> dict:
+    """`run_llama_cpp(request)` in a process of its own (`harness.run_engine`); a crash raises
+    BenchError, with the rebuild that avoided it where llama.cpp uses AMX."""
+    try:
+        return harness.run_engine(["-m", __name__], request)
+    except harness.EngineFailed as e:
+        amx = "AMX_INT8 = 1" in system_info()
+        raise BenchError(f"{e}" + (f"; this llama.cpp build uses AMX, which crashed on quantized GGUFs here: rebuild it "
+                                   f"without, {WITHOUT_AMX}" if amx and e.returncode < 0 else "")) from None
+
+
+def system_info() -> str:
+    """What llama.cpp was built for (its CPU features), or "" where llama-cpp-python is missing."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return ""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode()
 
 
 def run_llama_cpp(request: dict) -> dict:

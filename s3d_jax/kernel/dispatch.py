@@ -85,7 +85,7 @@ def matmul(x, w, n_in: int = 1, precision=None, preferred_element_type=None, at=
     With a 16-bit weight and float32 x (the model's activations), the kernel widens the weight in
     registers and multiplies x as it is; XLA's dot multiplies x rounded to the weight's type, its
     fast form (`tensordot`). Either way the result is float32. `activations="int8"` has the kernel
-    quantize x for a 4-bit weight (`ModelConfig.activations`); XLA's dot always reads x as it is."""
+    quantize x for a quantized weight (`ModelConfig.activations`); XLA's dot always reads x as it is."""
     return matmuls(x, (w,), n_in, precision, preferred_element_type, at, activations)[0]
 
 

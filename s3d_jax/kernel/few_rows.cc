@@ -11,8 +11,8 @@
 // once, 8 rows of it at a time, for all of x's rows together; x's row t is accumulated in y's row t,
 // which stays in the L1 cache. A bfloat16 or float16 weight is widened to float32 in registers
 // (exactly), so it sums the same way as its float32 value would; a quantized one is summed as codes
-// and scaled once per group (`AccumulateCodes`); with int8 activations, an int4 weight's codes are
-// multiplied by each row's int8 codes in integers (`Int8Rows`). Each output element is
+// and scaled once per group (`AccumulateCodes`); with int8 activations, a quantized weight's codes
+// are multiplied by each row's int8 codes in integers (`Int8Rows`). Each output element is
 // summed over k in the same order whatever the number of rows or threads, so a token's logits do
 // not depend on how many tokens share its pass.
 #include <algorithm>
