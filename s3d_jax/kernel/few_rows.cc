@@ -758,6 +758,7 @@ void ColumnsInt8Rows(const Int8Rows& x, int64_t m, const W& w, float* y, int64_t
   const int64_t N = w.N, blocks = K / kActivationBlock;
 #if defined(S3D_INT8_QUADS)
   n0 = VectorsInt8Quads<T>(x, m, w, y, K, n0, n1);
+  if (n0 == n1) return;  // no columns past the last whole vector
 #endif
   for (int t = 0; t < T; ++t) std::memset(y + t * N + n0, 0, sizeof(float) * (n1 - n0));
   for (int64_t k0 = 0; k0 < K; k0 += kActivationBlock) {
