@@ -5,8 +5,8 @@ arenas (set when this module is imported), and the heap trim after each decode (
 - Compiler options for passes of a few tokens per row: XLA's CPU backend hands dots to the YNNPACK
   library by default, whose kernels are the faster ones for training's products of thousands of rows,
   but for the decode loop's few rows against large weights XLA's own dot emitter is faster (verify
-  of 5 tokens about 20% cheaper; docs/cpu.md); and LLVM's level 1 compiles the loop faster at the
-  same speed.
+  of 5 tokens about 20% cheaper; docs/cpu.md); and LLVM's level 1 and XLA's elemental fusion
+  emitters compile the loop faster at the same speed.
 - Freed heap handed back to the OS: XLA's CPU compiler and a checkpoint's load free most of what
   they allocate, but glibc keeps those pages; without `malloc_trim` the compiled S3D loop held about
   200 MiB of freed heap, and ten turns of a benchmark in several prompt buckets 40 MiB (docs/cpu.md).
@@ -26,9 +26,10 @@ import os
 
 import jax
 
-# LLVM's optimisation level 1 instead of 2: the loop compiled about a third faster (15.2 s -> 10.4 s for
-# the shipped S3D loop) at the same ms per iteration (docs/cpu.md, "Compile time").
-FEW_ROW_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_backend_optimization_level": 1}
+# LLVM's optimisation level 1 instead of 2, and XLA's elemental fusion emitters instead of its newer
+# MLIR ones: the shipped S3D loop compiles in 1.5-1.9 s instead of 2.4-3.4 s, at the same ms per
+# iteration and with the same tokens (docs/cpu.md, "Compile time").
+FEW_ROW_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}
 
 
 @functools.cache

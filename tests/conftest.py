@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -29,6 +31,10 @@ PACKAGES = {
     "news": ("gensim", "gensim", "the news articles"),
 }
 _TEST_CACHE = "S3D_JAX_TEST_CACHE"  # the run's cache, passed from the pytest-xdist controller to its workers
+# XLA's elemental fusion emitters, which the decode loop compiles with on a CPU (`cpu.FEW_ROW_OPTIONS`),
+# for every other compile of the test run too, and of the command lines it starts: the tests are bound
+# by XLA's compiler, and these compile a third faster (docs/guarantees.md, "Tests").
+TEST_XLA_FLAG = "--xla_cpu_use_fusion_emitters=false"
 _owner = pytest.StashKey[str]()
 
 
@@ -39,6 +45,7 @@ def pytest_configure(config):
     if _TEST_CACHE not in os.environ:  # the controller (or a run without workers) makes it
         os.environ[_TEST_CACHE] = tempfile.mkdtemp(prefix="s3d_jax_tests-")
         config.stash[_owner] = os.environ[_TEST_CACHE]
+        _add_test_xla_flag()
     os.environ[ENV_CACHE] = os.environ[_TEST_CACHE]
     # The test processes share the cores by design, so every calibration here finds the machine busy;
     # measuring again in the next process would check nothing (tests/test_calibrate.py sets its own).
@@ -47,6 +54,16 @@ def pytest_configure(config):
     # cache in that directory; the test processes share them too, so a program compiled by one file
     # (the real model's loops, above all) is loaded by the next instead of compiled again.
     compile_cache.enable()
+
+
+def _add_test_xla_flag():
+    """Adds `TEST_XLA_FLAG` to `XLA_FLAGS` before any backend starts, where this jaxlib knows it (an
+    unknown XLA flag aborts the process, so a child process tries it first)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
+                           env={**os.environ, "XLA_FLAGS": flags}, capture_output=True)
+    if probe.returncode == 0:
+        os.environ["XLA_FLAGS"] = flags
 
 
 # The longest files first, by their measured time (docs/guarantees.md, "Tests": `--durations=0` on a 2-core machine): with

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import numpy as np
@@ -12,6 +13,14 @@ from s3d_jax import Model, ModelConfig, bundled, checkpoint
 from s3d_jax.cache import cached_forward, prompt_forward
 from s3d_jax.model import init_params
 from s3d_jax.speculative import draft_s3d
+
+
+def devices_env(devices: int, **extra) -> dict:
+    """The environment of a child process with `devices` simulated CPU devices, keeping the test run's
+    own XLA flags (conftest.py)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return {**os.environ, "XLA_FLAGS": flags, **extra}
+
 
 # `cached_forward` jitted, for tests that run passes one by one: one compile per shape instead of one per operation.
 forward = jax.jit(cached_forward, static_argnums=(1, 4, 5))

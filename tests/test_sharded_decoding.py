@@ -5,7 +5,6 @@ The cases run `sharded_child.py` in processes started with the device counts the
 families share one, whose one-device tokens the two-process case compares against too."""
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from reference import devices_env
 
 from s3d_jax import bundled, sharding
 from s3d_jax.config import ConfigError
@@ -27,7 +27,7 @@ HERE = Path(__file__).parent
 
 def child_env(devices: int, **extra) -> dict:
     # S3D's fixed defaults: a calibration would time the sharded passes, a minute that checks nothing here.
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "S3D_JAX_CALIBRATE": "0", **extra}
+    return devices_env(devices, S3D_JAX_CALIBRATE="0", **extra)
 
 
 def start_child(spec: dict, env: dict) -> subprocess.Popen:

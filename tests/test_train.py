@@ -3,7 +3,6 @@ decoding the result, and bad input."""
 
 import importlib.util
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from reference import assert_exact
+from reference import assert_exact, devices_env
 
 import s3d_jax
 from s3d_jax import checkpoint, drafter, quant
@@ -219,7 +218,7 @@ print(json.dumps(out))
 
 @pytest.mark.needs("bundled_model", "mt_bench")
 def test_sharded_step_equals_unsharded():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = devices_env(4, JAX_PLATFORMS="cpu")
     command = [sys.executable, "-c", SHARDED_STEP, str(Path(__file__).parent)]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
