@@ -1,5 +1,5 @@
 """Shared set-up: a temporary cache directory for the whole test run, skips for packages a test needs
-but this machine lacks, and the real SmolLM2-135M-Instruct converted once per session with its HF
+but this machine lacks, and the real SmolLM2-135M-Instruct converted once per test run with its HF
 reference."""
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import jax
 import pytest
 from reference import tiny_model
 
-from s3d_jax import checkpoint, compile_cache, decoding
+from s3d_jax import bundled, checkpoint, compile_cache, decoding
 from s3d_jax.bundled import gguf_path
 from s3d_jax.calibration import ENV_TRIES as ENV_CALIBRATE_TRIES
 from s3d_jax.checkpoint import CheckpointError
-from s3d_jax.convert import convert
 from s3d_jax.paths import ENV_CACHE
 
 # What `@pytest.mark.needs(...)` can name: the packages `make install` adds with --no-deps.
@@ -120,9 +119,11 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(smollm2_gguf, tmp_path_factory):
-    """SmolLM2 converted from its GGUF to an s3d_jax model directory (float32), once per session."""
-    return convert(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "model", progress=False)
+def smollm2_dir(smollm2_gguf):
+    """SmolLM2 converted from its GGUF to an s3d_jax model directory (float32), once for the whole test
+    run: the run's cache holds the one conversion that every test process, `s3d_jax.load()` and the
+    command lines load."""
+    return bundled.ensure_converted()
 
 
 @pytest.fixture(scope="session")
