@@ -19,6 +19,7 @@ from s3d_jax import bundled, checkpoint, compile_cache, decoding
 from s3d_jax.bundled import gguf_path
 from s3d_jax.calibration import ENV_TRIES as ENV_CALIBRATE_TRIES
 from s3d_jax.checkpoint import CheckpointError
+from s3d_jax.cpu import FEW_ROW_OPTIONS
 from s3d_jax.paths import ENV_CACHE
 
 # What `@pytest.mark.needs(...)` can name: the packages `make install` adds with --no-deps.
@@ -33,7 +34,7 @@ _TEST_CACHE = "S3D_JAX_TEST_CACHE"  # the run's cache, passed from the pytest-xd
 # XLA's elemental fusion emitters, which the decode loop compiles with on a CPU (`cpu.FEW_ROW_OPTIONS`),
 # for every other compile of the test run too, and of the command lines it starts: the tests are bound
 # by XLA's compiler, and these compile a third faster (docs/guarantees.md, "Tests").
-TEST_XLA_FLAG = "--xla_cpu_use_fusion_emitters=false"
+TEST_XLA_FLAG = f"--xla_cpu_use_fusion_emitters={str(FEW_ROW_OPTIONS['xla_cpu_use_fusion_emitters']).lower()}"
 _owner = pytest.StashKey[str]()
 
 
