@@ -14,7 +14,7 @@ from pathlib import Path
 
 from s3d_jax import checkpoint
 from s3d_jax.checkpoint import CheckpointError, Model
-from s3d_jax.config import QUANTIZED_DTYPES
+from s3d_jax.config import QUANTIZED_DTYPES, ModelConfig
 from s3d_jax.convert import convert
 from s3d_jax.paths import cache_root
 
@@ -95,6 +95,17 @@ def is_name(path) -> bool:
 def model_directory(path: str | os.PathLike | None, dtype: str = "float32") -> Path:
     """A converted model's directory: `path` itself, or the named (None: default) model's, converted on first use."""
     return ensure_converted(dtype, named(path)) if path is None or is_name(path) else Path(path)
+
+
+def model_shapes(path: str | os.PathLike | None) -> ModelConfig:
+    """A model's config for its shapes alone (a dry run's): a named model's from whichever conversion the
+    cache already holds, every dtype's shapes being the same, converting to float32 only if none is."""
+    if path is None or is_name(path):
+        model = named(path)
+        converted = [d for d in ("float32", *QUANTIZED_DTYPES) if (model_dir(d, model) / checkpoint.CONFIG_FILE).exists()]
+        if converted:
+            return checkpoint.load_config(model_dir(converted[0], model)).replace(dtype="float32")
+    return checkpoint.load_config(model_directory(path))
 
 
 def _sha256(path: Path) -> str:

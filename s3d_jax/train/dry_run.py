@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from s3d_jax import bundled, checkpoint
+from s3d_jax import bundled
 from s3d_jax.config import COMPUTE_DTYPE, ModelConfig
 from s3d_jax.model import abstract_params
 from s3d_jax.sharding import spec_for
@@ -56,11 +56,11 @@ def dry_run(cfg: ml_collections.ConfigDict) -> dict:
 
 
 def base_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
-    """The config of the model a run trains: the shape the config gives, or else its checkpoint's (the
-    bundled one converted once)."""
+    """The config of the model a run trains: the shape the config gives, or else its checkpoint's (a
+    named model's from any conversion the cache holds)."""
     if cfg.model.vocab_size or not cfg.model_path:
         return model_config_from(cfg)
-    return checkpoint.load_config(bundled.model_directory(None if cfg.model_path == "bundled" else cfg.model_path))
+    return bundled.model_shapes(None if cfg.model_path == "bundled" else cfg.model_path)
 
 
 def parameter_counts(params, masks) -> dict:
