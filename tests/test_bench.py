@@ -14,6 +14,7 @@ from reference import save_chat_model, tiny_model
 
 from s3d_jax import checkpoint
 from s3d_jax.bench import harness
+from s3d_jax.bench.__main__ import main as bench_main
 from s3d_jax.bench.quality import pass_at_1, rouge
 from s3d_jax.bench.suites import humaneval_completion
 from s3d_jax.metrics import expected_tokens, memory_normalised_speedup
@@ -98,18 +99,24 @@ def test_bench_smoke_on_a_tiny_model(tmp_path):
                                           (["--limit", "0"], "--limit must be at least 1"),
                                           (["--gamma", "0"], "gamma must be >= 1, got 0"),
                                           (["--max-len", "0"], "max_len must be >= 1, got 0")])
-def test_bench_bad_input(args, message):
-    result = subprocess.run([sys.executable, "-m", "s3d_jax.bench", *args], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and message in result.stderr
+def test_bench_bad_input(capsys, args, message):
+    assert bench_exit_code(args) == 2 and message in capsys.readouterr().err
+
+
+def bench_exit_code(argv: list[str]) -> int:
+    """`python -m s3d_jax.bench ARGV`'s exit status, run in this process."""
+    try:
+        return bench_main(argv)
+    except SystemExit as e:  # argparse's own usage errors
+        return e.code
 
 
 @pytest.mark.needs("mt_bench")
-def test_bench_refuses_s3d_without_a_mask_row(tmp_path):
+def test_bench_refuses_s3d_without_a_mask_row(tmp_path, capsys):
     model = tiny_model(mask_token_id=None)
     checkpoint.save(tmp_path / "model", model.params, model.config)
-    command = [sys.executable, "-m", "s3d_jax.bench", "--model", str(tmp_path / "model"), "--suite", "mt_bench", "--limit", "1"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "no mask token row" in result.stderr
+    assert bench_exit_code(["--model", str(tmp_path / "model"), "--suite", "mt_bench", "--limit", "1"]) == 2
+    assert "no mask token row" in capsys.readouterr().err
 
 
 def test_the_bench_module_leaves_jax_out():
@@ -150,11 +157,10 @@ def test_bench_decode_on_a_tiny_model(tmp_path):
 
 
 @pytest.mark.needs("mt_bench")
-def test_llama_cpp_peer_missing_names_the_extra(monkeypatch, tmp_path):
+def test_llama_cpp_peer_missing_names_the_extra(monkeypatch, tmp_path, capsys):
     import importlib.util
 
     from s3d_jax.bench import llama_cpp_peer
-    from s3d_jax.bench.__main__ import main
     from s3d_jax.bench.suites import BenchError
 
     real_find_spec = importlib.util.find_spec
@@ -163,8 +169,9 @@ def test_llama_cpp_peer_missing_names_the_extra(monkeypatch, tmp_path):
         llama_cpp_peer.require()
     model = tiny_model(seed=0)
     checkpoint.save(tmp_path / "model", model.params, model.config)
-    with pytest.raises(BenchError, match=r"s3d-jax\[llama\]"):
-        main(["--model", str(tmp_path / "model"), "--suite", "mt_bench", "--limit", "1", "--peers", "llama_cpp", "--out", str(tmp_path)])
+    assert bench_exit_code(["--model", str(tmp_path / "model"), "--suite", "mt_bench", "--limit", "1", "--peers", "llama_cpp",
+                            "--out", str(tmp_path)]) == 2
+    assert "s3d-jax[llama]" in capsys.readouterr().err
 
 
 def test_every_command_line_passes_its_dtype_to_load():

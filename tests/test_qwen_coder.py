@@ -11,14 +11,12 @@ transformers live on SmolLM2 (tests/test_convert.py), and the qwen2 layout on ra
 (tests/test_families.py)."""
 
 import hashlib
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from reference import assert_exact
+from test_train import dry_run_report
 
 import s3d_jax
 from s3d_jax import bundled
@@ -75,12 +73,8 @@ def test_speculative_greedy_equals_plain_greedy(qwen):
 
 
 @pytest.mark.slow
-def test_its_drafter_recipe_reads_the_model_by_name(qwen):
-    config = Path(__file__).parent.parent / "configs" / "qwen_coder.py"
-    result = subprocess.run([sys.executable, "-m", "s3d_jax.train", "--config", str(config), "--dry-run"], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    p = json.loads(result.stdout)["parameters"]
+def test_its_drafter_recipe_reads_the_model_by_name(qwen, capsys):
+    p = dry_run_report(capsys, "qwen_coder")["parameters"]
     assert 6.2e8 < p["total"] < 6.5e8 and 0 < p["trainable"] < 0.05 * p["total"], p  # the converted model with draft-only LoRA
 
 

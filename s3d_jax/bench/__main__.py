@@ -109,7 +109,15 @@ def run_peer(peer: str, hf_model: str | None, model_dir: str, prompts: dict, arg
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    """The command line: 2 and one line for a bad setting (a ValueError: ConfigError, CheckpointError)."""
+    try:
+        return run(parse_args(argv))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
     decode = DecodeOptions.from_args(args, tree=None, lookup=None, min_certainty=None)  # the tree goes to greedy s3d alone
     DecodeOptions(tree=args.tree, lookup=args.lookup, min_certainty=args.min_certainty)  # checked here, not in a child process
     prompts = {s: load_suite(s, args.limit) for s in args.suites}
@@ -152,8 +160,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(main())
