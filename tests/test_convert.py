@@ -1,8 +1,8 @@
 """Conversion from Hugging Face checkpoints and GGUF, checked against transformers' PyTorch models.
 
 Tolerances (float32 throughout unless stated): logits must match the reference to a max absolute
-error of 1e-4 * max|reference logit| ("relative error" below), for random tiny models and for the
-real SmolLM2. The bf16 conversion gets 5e-2 of max|reference|.
+error of 1e-4 * max|reference logit| ("relative error" below), for random tiny models here and for the
+real SmolLM2 in tests/test_smollm2.py. The bf16 conversion gets 5e-2 of max|reference|.
 """
 
 from __future__ import annotations
@@ -236,89 +236,3 @@ def test_mask_row_reserved_with_small_tokenizer(tmp_path):
 
 # --------------------------------------------------------------------------------------------
 # Real weights: SmolLM2-135M-Instruct from its GGUF.
-
-PROMPTS = [
-    "The capital of France is Paris. The capital of Germany is",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-]
-
-
-@pytest.mark.slow
-def test_smollm2_logits(smollm2_dir, hf_smollm2):
-    model, tokenizer = hf_smollm2
-    loaded = s3d_jax.load(smollm2_dir)
-    c = loaded.config
-    assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.tie_embeddings) == ("llama", 30, 9, 3, True)
-    # An appended mask row, then zero padding to 385 x 128 rows; only the first 49152 are produced.
-    assert (c.vocab_size, c.mask_token_id, c.output_vocab_size) == (49280, 49152, 49152)
-    assert c.eos_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
-    for prompt in PROMPTS:
-        ids = np.asarray([tokenizer(prompt).input_ids])
-        ref = hf_logits(model, ids)
-        got = np.asarray(s3d_jax.logits(loaded, ids))
-        assert got.shape == ref.shape  # logits cover the model's own vocabulary
-        err = relative_error(got, ref)
-        print(f"\nPARITY smollm2 {prompt[:20]!r}: max relative error {err:.2e}")
-        assert err < RTOL
-    ids = np.asarray([tokenizer(PROMPTS[0]).input_ids])
-    assert tokenizer.decode(int(np.asarray(s3d_jax.logits(loaded, ids))[0, -1].argmax())) == " Berlin"
-
-
-@pytest.mark.slow
-def test_smollm2_tokenizer(smollm2_dir, hf_smollm2):
-    _, reference = hf_smollm2
-    loaded = s3d_jax.load(smollm2_dir).tokenizer
-    assert loaded is not None and len(loaded) == len(reference) == 49152
-    for text in PROMPTS + ["Hello, world!  Ünïcödé 日本語 <|im_start|>user\nhi<|im_end|>", " leading space\ttab"]:
-        assert loaded(text).input_ids == reference(text).input_ids, text
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    text = loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in text
-    assert text == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-@pytest.mark.slow
-def test_smollm2_mask_row(smollm2_dir):
-    loaded = s3d_jax.load(smollm2_dir)
-    embed_DV = np.asarray(loaded.params["embed"])
-    assert embed_DV.shape == (576, 49280) and loaded.config.output_vocab_size == 49152
-    np.testing.assert_allclose(embed_DV[:, 49152], embed_DV[:, :49152].mean(1), rtol=1e-4, atol=1e-6)
-    assert not embed_DV[:, 49153:].any()
-
-
-@pytest.mark.slow
-def test_smollm2_in_phi3_layout(smollm2_gguf, smollm2_dir, tmp_path):
-    """SmolLM2's weights fused into Phi-3's qkv_proj / gate_up_proj give the same logits."""
-    from safetensors.numpy import save_file
-
-    source = read_source(smollm2_gguf)
-    t, cfg = source.tensors, source.config
-    fused = {}
-    for name in t:
-        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or ".mlp.up_proj." in name:
-            continue
-        if ".self_attn.q_proj." in name:
-            prefix = name.removesuffix("q_proj.weight")
-            fused[prefix + "qkv_proj.weight"] = np.concatenate(
-                [t[name], t[prefix + "k_proj.weight"], t[prefix + "v_proj.weight"]]
-            )
-        elif ".mlp.gate_proj." in name:
-            prefix = name.removesuffix("gate_proj.weight")
-            fused[prefix + "gate_up_proj.weight"] = np.concatenate([t[name], t[prefix + "up_proj.weight"]])
-        else:
-            fused[name] = t[name]
-    hf_dir = tmp_path / "phi3"
-    hf_dir.mkdir()
-    save_file(fused, hf_dir / "model.safetensors", metadata={"format": "pt"})
-    del fused
-    (hf_dir / "config.json").write_text(json.dumps({**cfg, "model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}))
-
-    out = convert(hf_dir, tmp_path / "out", progress=False)
-    phi3 = s3d_jax.load(out)
-    assert phi3.config.architecture == "phi3" and phi3.config.mask_token_id == 49152
-    llama = s3d_jax.load(smollm2_dir)
-    ids = np.asarray([llama.tokenizer(p).input_ids[:12] for p in PROMPTS])
-    ref = np.asarray(s3d_jax.logits(llama, ids))
-    err = relative_error(s3d_jax.logits(phi3, ids), ref)
-    print(f"\nPARITY smollm2 phi3-layout vs llama-layout: max relative error {err:.2e}")
-    assert err < 1e-6

@@ -7,7 +7,7 @@ installed (`make test` installs them).
 Transformers' logits are the ones `tools/reference_logits.py` recorded from this very file (its
 sha256 is checked): loading the model in transformers takes 40-60 s on 2 cores at every run, for
 numbers that change only with the file. The float32 conversion of GGUF blocks is compared with
-transformers live on SmolLM2 (tests/test_convert.py), and the qwen2 layout on random weights
+transformers live on SmolLM2 (tests/test_smollm2.py), and the qwen2 layout on random weights
 (tests/test_families.py)."""
 
 import hashlib

@@ -1,14 +1,20 @@
-"""Decoding the real SmolLM2-135M-Instruct: plain greedy equals transformers' `generate`, and the
-speculative methods equal plain greedy token for token (float32)."""
+"""The real SmolLM2-135M-Instruct, converted from its GGUF: its logits, tokenizer and chat template are
+transformers' on the same file, plain greedy equals transformers' `generate`, and the speculative
+methods equal plain greedy token for token (float32). One module, so that transformers loads the
+model once per test run."""
 
+import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from hf_models import RTOL, hf_logits, relative_error
 from reference import assert_exact
 
 import s3d_jax
 from s3d_jax import bundled, drafter
+from s3d_jax.convert import convert, read_source
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +34,95 @@ def smollm2(smollm2_dir):
 @pytest.fixture(scope="module")
 def plain(smollm2):
     return s3d_jax.decode(smollm2, CHATS, chat=True, method="ar", max_new_tokens=NEW_TOKENS)
+
+
+# ---------------------------------------------------------------- the conversion
+
+
+CONVERSION_PROMPTS = [
+    "The capital of France is Paris. The capital of Germany is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+]
+
+
+def test_logits_equal_transformers_on_the_same_gguf(smollm2, hf_smollm2):
+    model, tokenizer = hf_smollm2
+    loaded = smollm2
+    c = loaded.config
+    assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.tie_embeddings) == ("llama", 30, 9, 3, True)
+    # An appended mask row, then zero padding to 385 x 128 rows; only the first 49152 are produced.
+    assert (c.vocab_size, c.mask_token_id, c.output_vocab_size) == (49280, 49152, 49152)
+    assert c.eos_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    for prompt in CONVERSION_PROMPTS:
+        ids = np.asarray([tokenizer(prompt).input_ids])
+        ref = hf_logits(model, ids)
+        got = np.asarray(s3d_jax.logits(loaded, ids))
+        assert got.shape == ref.shape  # logits cover the model's own vocabulary
+        err = relative_error(got, ref)
+        print(f"\nPARITY smollm2 {prompt[:20]!r}: max relative error {err:.2e}")
+        assert err < RTOL
+    ids = np.asarray([tokenizer(CONVERSION_PROMPTS[0]).input_ids])
+    assert tokenizer.decode(int(np.asarray(s3d_jax.logits(loaded, ids))[0, -1].argmax())) == " Berlin"
+
+
+def test_its_tokenizer_and_chat_template_are_transformers(smollm2, hf_smollm2):
+    _, reference = hf_smollm2
+    loaded = smollm2.tokenizer
+    assert loaded is not None and len(loaded) == len(reference) == 49152
+    for text in CONVERSION_PROMPTS + ["Hello, world!  Ünïcödé 日本語 <|im_start|>user\nhi<|im_end|>", " leading space\ttab"]:
+        assert loaded(text).input_ids == reference(text).input_ids, text
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in text
+    assert text == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_its_mask_row_is_the_mean_embedding_and_padding_is_zero(smollm2):
+    loaded = smollm2
+    embed_DV = np.asarray(loaded.params["embed"])
+    assert embed_DV.shape == (576, 49280) and loaded.config.output_vocab_size == 49152
+    np.testing.assert_allclose(embed_DV[:, 49152], embed_DV[:, :49152].mean(1), rtol=1e-4, atol=1e-6)
+    assert not embed_DV[:, 49153:].any()
+
+
+def test_its_weights_in_phi3_layout_give_the_same_logits(smollm2_gguf, smollm2, tmp_path):
+    """SmolLM2's weights fused into Phi-3's qkv_proj / gate_up_proj give the same logits."""
+    from safetensors.numpy import save_file
+
+    source = read_source(smollm2_gguf)
+    t, cfg = source.tensors, source.config
+    fused = {}
+    for name in t:
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or ".mlp.up_proj." in name:
+            continue
+        if ".self_attn.q_proj." in name:
+            prefix = name.removesuffix("q_proj.weight")
+            fused[prefix + "qkv_proj.weight"] = np.concatenate(
+                [t[name], t[prefix + "k_proj.weight"], t[prefix + "v_proj.weight"]]
+            )
+        elif ".mlp.gate_proj." in name:
+            prefix = name.removesuffix("gate_proj.weight")
+            fused[prefix + "gate_up_proj.weight"] = np.concatenate([t[name], t[prefix + "up_proj.weight"]])
+        else:
+            fused[name] = t[name]
+    hf_dir = tmp_path / "phi3"
+    hf_dir.mkdir()
+    save_file(fused, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    del fused
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}))
+
+    out = convert(hf_dir, tmp_path / "out", progress=False)
+    phi3 = s3d_jax.load(out)
+    assert phi3.config.architecture == "phi3" and phi3.config.mask_token_id == 49152
+    llama = smollm2
+    ids = np.asarray([llama.tokenizer(p).input_ids[:12] for p in CONVERSION_PROMPTS])
+    ref = np.asarray(s3d_jax.logits(llama, ids))
+    err = relative_error(s3d_jax.logits(phi3, ids), ref)
+    print(f"\nPARITY smollm2 phi3-layout vs llama-layout: max relative error {err:.2e}")
+    assert err < 1e-6
+
+
+# ---------------------------------------------------------------- decoding
 
 
 def test_plain_greedy_equals_transformers_generate(smollm2, plain, hf_smollm2):
