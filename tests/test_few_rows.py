@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import save_chat_model
 
 from s3d_jax import paths, quant
 from s3d_jax.kernel import build, dispatch, ffi
@@ -380,3 +381,42 @@ def test_a_bfloat16_decode_loop_holds_no_float32_copy_of_the_vocabulary_table():
     for executable in run.executables:
         widened = [line for line in executable.as_text().splitlines() if f"f32{table}" in line]
         assert not widened, widened[:2]
+
+
+# Stands in for the C++ compiler: it answers `--version` as the real one (so the library keeps its
+# name) and "builds" by copying the library that this test run built from the same source.
+STAND_IN_COMPILER = """#!{python}
+import shutil, subprocess, sys
+args = sys.argv[1:]
+if "--version" in args:
+    sys.exit(subprocess.run([{real!r}, *args]).returncode)
+shutil.copyfile({built!r}, args[args.index("-o") + 1])
+"""
+
+
+@pytest.mark.needs("bundled_model")
+def test_a_damaged_kernel_in_the_cache_is_rebuilt_not_loaded(tmp_path):
+    """A kernel cut short in the cache (a crash, an interrupted copy) once killed every later run with
+    SIGBUS, and another library at its path ended in a traceback; now the command line rebuilds it and
+    goes on, and the next process loads it. (Every kind of damage is refused above.
+    The rebuild runs a stand-in compiler that copies the library this run built, since compiling
+    again would take half a minute on 2 cores and check nothing the run's own first build did not.)"""
+    if not ffi.available():
+        pytest.skip("no few-row kernel here (no compiler, or switched off)")
+    chat_model = save_chat_model(tmp_path / "chat_model")
+    built = build.library_path()
+    compiler = tmp_path / "c++"
+    compiler.write_text(STAND_IN_COMPILER.format(python=sys.executable, real=os.environ.get("CXX", "c++"), built=str(built)))
+    compiler.chmod(0o755)
+    shutil.copytree(paths.cache_root() / "kernels", tmp_path / "kernels")
+    for library in (tmp_path / "kernels").glob("few_rows-*.so"):
+        shutil.copyfile(Path(sys.executable).resolve(), library)  # an ELF, but not the kernel
+    env = {**os.environ, "S3D_JAX_CACHE": str(tmp_path), "CXX": str(compiler)}
+    command = [sys.executable, "-m", "s3d_jax.generate", "--model", str(chat_model), "--drafter", "none", "--chat", "--prompt", "Hi",
+               "--max-new-tokens", "4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "is not the file its build wrote" in result.stderr and "built the few-row CPU kernel" in result.stderr
+    check = "from s3d_jax.kernel import ffi; print(ffi.available())"  # whole again: the next process builds nothing
+    again = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, env=env)
+    assert again.stdout.split() == ["True"] and "build" not in again.stderr, again.stderr
