@@ -20,6 +20,7 @@ from s3d_jax.bundled import gguf_path
 from s3d_jax.calibration import ENV_TRIES as ENV_CALIBRATE_TRIES
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.cpu import FEW_ROW_OPTIONS
+from s3d_jax.kernel.ffi import ENV_SWITCH as ENV_KERNEL
 from s3d_jax.paths import ENV_CACHE
 
 # What `@pytest.mark.needs(...)` can name: the packages `make install` adds with --no-deps.
@@ -47,6 +48,8 @@ def pytest_configure(config):
         config.stash[_owner] = os.environ[_TEST_CACHE]
         _add_test_xla_flag()
     os.environ[ENV_CACHE] = os.environ[_TEST_CACHE]
+    if _owner in config.stash:
+        _fill_run_cache()
     # The test processes share the cores by design, so every calibration here finds the machine busy;
     # measuring again in the next process would check nothing (tests/test_calibrate.py sets its own).
     os.environ.setdefault(ENV_CALIBRATE_TRIES, "1")
@@ -54,6 +57,19 @@ def pytest_configure(config):
     # cache in that directory; the test processes share them too, so a program compiled by one file
     # (the real model's loops, above all) is loaded by the next instead of compiled again.
     compile_cache.enable()
+
+
+def _fill_run_cache():
+    """Builds the kernel and converts the bundled model into the run's cache once, side by side, before
+    the test processes start: each would otherwise build the kernel (half a minute of one core) and
+    convert the model at the same moment as the other. The conversion reads no kernel (its shapes
+    come out the same without one), so the two share nothing and neither waits."""
+    jobs = [subprocess.Popen([sys.executable, "-c", "from s3d_jax.kernel import ffi; ffi.available()"])]
+    if importlib.util.find_spec(PACKAGES["bundled_model"][0]) is not None:
+        jobs.append(subprocess.Popen([sys.executable, "-c", "from s3d_jax import bundled; bundled.ensure_converted()"],
+                                     env={**os.environ, ENV_KERNEL: "0"}))
+    for job in jobs:
+        job.wait()  # a failure shows again, with its reason, in the tests that need what it made
 
 
 def _add_test_xla_flag():
@@ -70,9 +86,10 @@ def _add_test_xla_flag():
 # `--no-loadscope-reorder` (Makefile) pytest-xdist hands files to its workers in collection order, and a
 # long file handed out last runs alone while the other worker idles. Its default order, most tests
 # first, left the real-model and sharded files to the end.
-LONGEST_FIRST = ("test_decoding.py", "test_sharded_decoding.py", "test_train.py", "test_tree.py", "test_bench.py", "test_smollm2.py",
-                 "test_serve.py", "test_quant.py", "test_qwen_coder.py", "test_predict.py", "test_faults.py", "test_smollm2_quantized.py",
-                 "test_families.py", "test_objective.py", "test_convert.py", "test_serve_lane.py", "test_calibrate.py", "test_drafter.py")
+LONGEST_FIRST = ("test_decoding.py", "test_sharded_decoding.py", "test_smollm2.py", "test_train.py", "test_bench.py", "test_quant.py",
+                 "test_tree.py", "test_serve.py", "test_smollm2_quantized.py", "test_families.py", "test_predict.py", "test_faults.py",
+                 "test_serve_lane.py", "test_qwen_coder.py", "test_objective.py", "test_calibrate.py", "test_convert.py",
+                 "test_few_rows.py", "test_drafter.py", "test_interrupts.py")
 
 
 def pytest_collection_modifyitems(items):
