@@ -102,7 +102,7 @@ def model_shapes(path: str | os.PathLike | None) -> ModelConfig:
     cache already holds, every dtype's shapes being the same, converting to float32 only if none is."""
     if path is None or is_name(path):
         model = named(path)
-        converted = [d for d in ("float32", *QUANTIZED_DTYPES) if (model_dir(d, model) / checkpoint.CONFIG_FILE).exists()]
+        converted = [d for d in ("float32", *QUANTIZED_DTYPES) if is_converted(d, model)]
         if converted:
             return checkpoint.load_config(model_dir(converted[0], model)).replace(dtype="float32")
     return checkpoint.load_config(model_directory(path))
@@ -145,6 +145,10 @@ def model_dir(dtype: str = "float32", model: Named = DEFAULT) -> Path:
     return cache_root() / f"{model.title}{suffix}.format{checkpoint.FORMAT}"  # a new format converts afresh
 
 
+def is_converted(dtype: str, model: Named) -> bool:
+    return (model_dir(dtype, model) / checkpoint.CONFIG_FILE).exists()
+
+
 def gguf_path(path: str | os.PathLike | None = None) -> Path:
     """The GGUF of the named (None: default) model `path`; a model directory's GGUF is not known here."""
     if path is not None and not is_name(path):
@@ -155,7 +159,7 @@ def gguf_path(path: str | os.PathLike | None = None) -> Path:
 def ensure_converted(dtype: str = "float32", model: Named = DEFAULT) -> Path:
     """The directory converted to `dtype`, converting the GGUF on first use (safe against a concurrent first use)."""
     target = model_dir(dtype, model)
-    if not (target / checkpoint.CONFIG_FILE).exists():
+    if not is_converted(dtype, model):
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         convert(model.gguf(), tmp, dtype, overwrite=True)  # this process's own, perhaps left by a killed one with its pid
         try:

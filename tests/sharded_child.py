@@ -44,9 +44,14 @@ def reference_of(method: str) -> str:
     return "ar" if method in GREEDY_SPECULATIVE else method
 
 
+def plain_options(methods) -> dict:
+    """The plain method's options among `methods` (a real model's chat flag with them), else the tiny models'."""
+    return methods.get("ar", METHODS["ar"])
+
+
 def outputs(model, prompts, new_tokens: int, methods) -> dict:
     found = {name: s3d_jax.decode(model, prompts, max_new_tokens=new_tokens, **kw).tokens for name, kw in methods.items()}
-    plain = methods.get("ar", METHODS["ar"])  # streamed plainly whatever the methods compared
+    plain = plain_options(methods)  # streamed plainly whatever the methods compared
     found["streamed"] = list(s3d_jax.stream(model, prompts, max_new_tokens=new_tokens, chunk_iterations=2, **plain))[-1].tokens
     return found
 
@@ -74,8 +79,8 @@ def decode_case(spec: dict) -> dict:
         path = checkpoint.save(spec["tmp"], one.params, one.config)
         load, prompts = dict(path=str(path), drafter=None), PROMPTS
         methods = {k: METHODS[k] for k in spec.get("methods", METHODS)}
-    plain = methods.get("ar", METHODS["ar"])
-    reference = outputs(one, prompts, spec["new_tokens"], {reference_of(k): methods.get(reference_of(k), plain) for k in methods})
+    one_device = {reference_of(k): methods.get(reference_of(k), plain_options(methods)) for k in methods}
+    reference = outputs(one, prompts, spec["new_tokens"], one_device)
     report = {"reference": reference}
     for n in spec["meshes"]:
         try:

@@ -7,7 +7,7 @@ takes 40-60 s on 2 cores, every run, for numbers that only change with the file.
 It keeps the prompt's first token ids as transformers' tokenizer gives them and, at each of those
 positions, the logits of every `--stride`-th vocabulary id and of that position's `--top` largest,
 with the largest magnitude over the whole vocabulary, beside the GGUF's sha256 and the versions that
-produced them (about 60 KB).
+produced them (about 50 KB).
 """
 
 from __future__ import annotations
