@@ -34,14 +34,16 @@ FEW_ROW_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_backend_opti
 
 @functools.cache
 def few_row_compiler_options() -> dict | None:
-    """`FEW_ROW_OPTIONS` on a CPU backend whose jaxlib knows them; elsewhere None (the defaults)."""
+    """`FEW_ROW_OPTIONS` on a CPU backend whose jaxlib knows them, less any that `XLA_FLAGS` sets (the
+    process's own choice wins: the test run's optimisation level, for one); elsewhere None (the defaults)."""
     if jax.default_backend() != "cpu":
         return None
     try:
         jax.jit(lambda x: x + 1).lower(1).compile(FEW_ROW_OPTIONS)
     except Exception:  # a jaxlib without YNNPACK, or with the option renamed: its default dots
         return None
-    return FEW_ROW_OPTIONS
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {name: value for name, value in FEW_ROW_OPTIONS.items() if f"--{name}=" not in flags}
 
 
 HEAP_ARENAS = 2

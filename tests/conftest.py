@@ -13,13 +13,12 @@ import tempfile
 
 import jax
 import pytest
-from reference import tiny_model
+from reference import TEST_XLA_FLAGS, tiny_model
 
 from s3d_jax import bundled, checkpoint, compile_cache, decoding
 from s3d_jax.bundled import gguf_path
 from s3d_jax.calibration import ENV_TRIES as ENV_CALIBRATE_TRIES
 from s3d_jax.checkpoint import CheckpointError
-from s3d_jax.cpu import FEW_ROW_OPTIONS
 from s3d_jax.kernel.ffi import ENV_SWITCH as ENV_KERNEL
 from s3d_jax.paths import ENV_CACHE
 
@@ -32,10 +31,6 @@ PACKAGES = {
     "news": ("gensim", "gensim", "the news articles"),
 }
 _TEST_CACHE = "S3D_JAX_TEST_CACHE"  # the run's cache, passed from the pytest-xdist controller to its workers
-# XLA's elemental fusion emitters, which the decode loop compiles with on a CPU (`cpu.FEW_ROW_OPTIONS`),
-# for every other compile of the test run too, and of the command lines it starts: the tests are bound
-# by XLA's compiler, and these compile a third faster (docs/guarantees.md, "Tests").
-TEST_XLA_FLAG = f"--xla_cpu_use_fusion_emitters={str(FEW_ROW_OPTIONS['xla_cpu_use_fusion_emitters']).lower()}"
 _owner = pytest.StashKey[str]()
 
 
@@ -46,7 +41,7 @@ def pytest_configure(config):
     if _TEST_CACHE not in os.environ:  # the controller (or a run without workers) makes it
         os.environ[_TEST_CACHE] = tempfile.mkdtemp(prefix="s3d_jax_tests-")
         config.stash[_owner] = os.environ[_TEST_CACHE]
-        _add_test_xla_flag()
+        _add_test_xla_flags()
     os.environ[ENV_CACHE] = os.environ[_TEST_CACHE]
     if _owner in config.stash:
         _fill_run_cache()
@@ -72,10 +67,10 @@ def _fill_run_cache():
         job.wait()  # a failure shows again, with its reason, in the tests that need what it made
 
 
-def _add_test_xla_flag():
-    """Adds `TEST_XLA_FLAG` to `XLA_FLAGS` before any backend starts, where this jaxlib knows it (an
-    unknown XLA flag aborts the process, so a child process tries it first)."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
+def _add_test_xla_flags():
+    """Adds `TEST_XLA_FLAGS` to `XLA_FLAGS` before any backend starts, where this jaxlib knows them (an
+    unknown XLA flag aborts the process, so a child process tries them first)."""
+    flags = " ".join([os.environ.get("XLA_FLAGS", ""), *TEST_XLA_FLAGS]).strip()
     probe = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
                            env={**os.environ, "XLA_FLAGS": flags}, capture_output=True)
     if probe.returncode == 0:

@@ -11,8 +11,24 @@ import numpy as np
 import s3d_jax
 from s3d_jax import Model, ModelConfig, bundled, checkpoint
 from s3d_jax.cache import cached_forward, prompt_forward
+from s3d_jax.cpu import FEW_ROW_OPTIONS
 from s3d_jax.model import init_params
 from s3d_jax.speculative import draft_s3d
+
+# How the test run compiles, in its processes and the command lines they start (conftest.py adds these to
+# XLA_FLAGS): without XLA's elemental fusion emitters, as the decode loop compiles on a CPU
+# (`cpu.FEW_ROW_OPTIONS`), and at LLVM's optimisation level 0, the loop's too (`XLA_FLAGS` wins over
+# `FEW_ROW_OPTIONS`). The tests are bound by XLA's compiler: these compile a tiny model's passes 2-3x
+# faster, and change no number (LLVM reorders no float arithmetic without fast-math, which XLA leaves
+# off). `users_env()` gives a child process the compiler as users have it (docs/guarantees.md, "Tests").
+TEST_XLA_FLAGS = (f"--xla_cpu_use_fusion_emitters={str(FEW_ROW_OPTIONS['xla_cpu_use_fusion_emitters']).lower()}",
+                  "--xla_backend_optimization_level=0")
+
+
+def users_env(**extra) -> dict:
+    """The environment of a child process that compiles as a user's does: without `TEST_XLA_FLAGS`."""
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f not in TEST_XLA_FLAGS)
+    return {**os.environ, "XLA_FLAGS": flags, **extra}
 
 
 def devices_env(devices: int, **extra) -> dict:

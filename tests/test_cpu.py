@@ -1,4 +1,4 @@
-"""What `s3d_jax.cpu` sets in the process: glibc's heap arenas."""
+"""What `s3d_jax.cpu` sets in the process: glibc's heap arenas, and the decode loop's compiler options."""
 
 from __future__ import annotations
 
@@ -40,3 +40,21 @@ def test_importing_s3d_jax_limits_the_heap_arenas():
 
     assert heaps("jax alone") > cpu.HEAP_ARENAS
     assert heaps("s3d_jax") <= cpu.HEAP_ARENAS
+
+
+def test_an_option_that_xla_flags_sets_is_left_to_it(monkeypatch):
+    """The decode loop's CPU options yield to the process's own `XLA_FLAGS`, option by option (the test
+    run sets LLVM's level there, `reference.TEST_XLA_FLAGS`)."""
+    def options(flags: str):
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        cpu.few_row_compiler_options.cache_clear()
+        try:
+            return cpu.few_row_compiler_options()
+        finally:
+            cpu.few_row_compiler_options.cache_clear()
+
+    if options("") is None:
+        pytest.skip("not a CPU, or this jaxlib has no YNNPACK fusions")
+    assert options("") == cpu.FEW_ROW_OPTIONS
+    unset = {k: v for k, v in cpu.FEW_ROW_OPTIONS.items() if k != "xla_backend_optimization_level"}
+    assert options("--xla_backend_optimization_level=0") == unset

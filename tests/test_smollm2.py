@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 from hf_models import RTOL, hf_logits, relative_error
-from reference import assert_exact
+from reference import assert_exact, users_env
 
 import s3d_jax
 from s3d_jax import bundled, drafter
@@ -193,11 +193,12 @@ def test_load_applies_the_shipped_drafter_by_default():
 
 @pytest.mark.needs("bundled_model")
 def test_demo_command_reports_the_ratio_and_exactness():
-    # S3D-only flags given explicitly: the plain run of --compare must drop them, not refuse them.
+    """Compiled as a user's process compiles (the test run's own XLA flags dropped), S3D's output is
+    plain greedy's. S3D-only flags given explicitly: the plain run of --compare must drop them, not refuse them."""
     result = subprocess.run(
         [sys.executable, "-m", "s3d_jax.generate", "--chat", "--compare", "--max-new-tokens", "32", "--tree", "4",
          "--min-certainty", "0.9", "--prompt", CHATS[2]],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True, text=True, timeout=900, env=users_env(),
     )
     assert result.returncode == 0, result.stderr
     assert "x plain decoding (plain " in result.stderr
