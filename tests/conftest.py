@@ -81,10 +81,10 @@ def _add_test_xla_flags():
 # `--no-loadscope-reorder` (Makefile) pytest-xdist hands files to its workers in collection order, and a
 # long file handed out last runs alone while the other worker idles. Its default order, most tests
 # first, left the real-model and sharded files to the end.
-LONGEST_FIRST = ("test_decoding.py", "test_sharded_decoding.py", "test_smollm2.py", "test_train.py", "test_bench.py", "test_quant.py",
-                 "test_tree.py", "test_serve.py", "test_smollm2_quantized.py", "test_families.py", "test_predict.py", "test_faults.py",
-                 "test_serve_lane.py", "test_qwen_coder.py", "test_objective.py", "test_calibrate.py", "test_convert.py",
-                 "test_few_rows.py", "test_drafter.py", "test_interrupts.py")
+LONGEST_FIRST = ("test_smollm2.py", "test_decoding.py", "test_train.py", "test_sharded_decoding.py", "test_bench.py", "test_serve.py",
+                 "test_quant.py", "test_tree.py", "test_smollm2_quantized.py", "test_predict.py", "test_qwen_coder.py",
+                 "test_families.py", "test_faults.py", "test_serve_lane.py", "test_few_rows.py", "test_calibrate.py",
+                 "test_convert.py", "test_objective.py", "test_drafter.py", "test_interrupts.py")
 
 
 def pytest_collection_modifyitems(items):

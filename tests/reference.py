@@ -31,11 +31,12 @@ def users_env(**extra) -> dict:
     return {**os.environ, "XLA_FLAGS": flags, **extra}
 
 
-def devices_env(devices: int, **extra) -> dict:
+def devices_env(devices: int, as_users: bool = False, **extra) -> dict:
     """The environment of a child process with `devices` simulated CPU devices, keeping the test run's
-    own XLA flags (conftest.py)."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
-    return {**os.environ, "XLA_FLAGS": flags, **extra}
+    own XLA flags (conftest.py) unless it is to compile `as_users` do (`users_env`)."""
+    env = users_env() if as_users else dict(os.environ)
+    flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return {**env, "XLA_FLAGS": flags, **extra}
 
 
 # `cached_forward` jitted, for tests that run passes one by one: one compile per shape instead of one per operation.
