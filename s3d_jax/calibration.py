@@ -26,6 +26,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import sys
@@ -55,42 +56,48 @@ CONTEXT = 256  # cache positions filled while timing: a typical chat turn
 # scores one by one: 12% of MT-Bench's prompt tokens, 9% of HumanEval's and 21% of the news articles'
 # lie outside the shipped drafter's 8,192.
 OUTSIDE_DRAFT_VOCAB = 8
-REPEATS = 5  # passes per jitted timing loop (a timed run repeats the loop for MIN_RUN_MS)
 ROUNDS = 4  # timed runs of each pass, interleaved with the others'; a pass costs its fastest
-MIN_RUN_MS = 50  # the shortest timed run: a pass's loop runs again until it has lasted this long
+MIN_RUN_MS = 50  # the shortest timed run: its loop holds about this long's passes, and runs again until it has lasted this long
 BUSY_CORES = 0.25  # other processes' average use of this process's cores while calibrating, above which the costs are marked busy
 BUSY_RATIO = 1.3  # where that use cannot be read: the plain step's fastest and slowest rounds differing by more
 ENV_TRIES = "S3D_JAX_CALIBRATE_TRIES"
 BUSY_TRIES = 3  # calibrations in a row that find the machine busy before their costs stay cached as they are ($S3D_JAX_CALIBRATE_TRIES)
 
 
-def pass_timer(model, pass_fn, context: int = 256, repeats: int = 20, rows: int = 1):
+def pass_timer(model, pass_fn, context: int = 256, repeats: int = 1, rows: int = 1):
     """A compiled, warmed-up `pass_fn(params, cache, x_n)` over a cache of `rows` rows filled to
-    `context` positions; each call of the returned function times `repeats` passes inside one jitted
-    loop (no dispatch overhead) and returns milliseconds per pass. The input token changes every
-    iteration, so XLA cannot hoist the pass out of the loop."""
+    `context` positions; each call of the returned function times passes inside one jitted loop (no
+    dispatch overhead), at least `repeats` of them and as many as the warm-up pass says fill
+    MIN_RUN_MS, and returns milliseconds per pass. The input token changes every iteration, so XLA
+    cannot hoist the pass out of the loop."""
     cache = KVCache.zeros(model.config, rows, max(512, context + 16)).replace(lengths=jnp.full((rows,), context, jnp.int32))
 
-    def loop(params, cache, few_row_kernel):
+    def loop(params, cache, passes, few_row_kernel):
         def body(i, total):
             return total + pass_fn(params, cache, (i + jnp.arange(rows, dtype=jnp.int32)) % 1000).sum()
 
         with ffi.switch(few_row_kernel):
-            return jax.lax.fori_loop(0, repeats, body, jnp.zeros((), jnp.float32))
+            return jax.lax.fori_loop(0, passes, body, jnp.zeros((), jnp.float32))
 
     # Compiled as the decode loop is; not kept in its cache, since `loop` closes over `pass_fn`.
     few_rows = few_row_batch(rows)  # as the decode loop decides
-    fn, _ = compile_ahead(jax.jit(loop, static_argnames="few_row_kernel"), model.params, cache, few_row_passes=few_rows)
-    jax.block_until_ready(fn(model.params, cache))  # warm up
+    one = jnp.int32(1)
+    fn, _ = compile_ahead(jax.jit(loop, static_argnames="few_row_kernel"), model.params, cache, one, few_row_passes=few_rows)
+    start = time.perf_counter()
+    jax.block_until_ready(fn(model.params, cache, one))  # warm up
+    # A pass of a large tree costs many steps (at a test run's optimisation level, a second): its
+    # run holds a few passes, a quick pass's many.
+    passes = jnp.int32(max(repeats, math.ceil(MIN_RUN_MS / max((time.perf_counter() - start) * 1e3, 1e-3))))
 
     def timed() -> float:
-        # The loop runs again until MIN_RUN_MS have passed: a GPU runs `repeats` passes in a few
-        # milliseconds, where one late launch would look like another process's load.
+        # The loop runs again until MIN_RUN_MS have passed: the warm-up pass may have been slow, and
+        # a GPU runs a short loop in a few milliseconds, where one late launch would look like
+        # another process's load.
         start, runs = time.perf_counter(), 0
         while (elapsed := time.perf_counter() - start) * 1e3 < MIN_RUN_MS or runs == 0:
-            jax.block_until_ready(fn(model.params, cache))
+            jax.block_until_ready(fn(model.params, cache, passes))
             runs += 1
-        return elapsed / (runs * repeats) * 1e3
+        return elapsed / (runs * int(passes)) * 1e3
 
     return timed
 
@@ -164,7 +171,7 @@ def time_passes(model, gamma: int, rows: int = 1) -> dict:
     # the passes compile side by side, as many at a time as this process has cores.
     ffi.prepare()  # the kernel's first build, once, before the threads
     with concurrent.futures.ThreadPoolExecutor(min(len(passes), usable_cores())) as pool:
-        made = pool.map(lambda fn: pass_timer(model, fn, context=CONTEXT, repeats=REPEATS, rows=rows), passes.values())
+        made = pool.map(lambda fn: pass_timer(model, fn, context=CONTEXT, rows=rows), passes.values())
         timers = dict(zip(passes, made))
     rounds = {name: [] for name in timers}
     for _ in range(ROUNDS):

@@ -208,7 +208,7 @@ def render(jax_result: dict, hf_result: dict | None, args, llama_cpp: dict | Non
               "| method | " + " | ".join(memory["ar"]["stages_mib"]) + " | peak |", "| --- " * (len(memory["ar"]["stages_mib"]) + 2) + "|"]
     for name, row in memory.items():
         lines.append(f"| {name} | " + " | ".join(f"{v:.0f}" for v in row["stages_mib"].values()) + f" | {row['peak_mib']:.0f} |")
-    lines += ["", f"Pass cost at a context of {args.context} tokens (ms per pass, {args.repeats} passes in one jitted loop). "
+    lines += ["", f"Pass cost at a context of {args.context} tokens (ms per pass, at least {args.repeats} passes in one jitted loop). "
               f"The floor is the bytes a pass must read (weights, head, cached keys and values) over the streaming bandwidth, "
               f"{jax_result['bandwidth_gb_s']:.1f} GB/s by a probe in the same run:", "",
               "| pass | ms | vs plain step | floor ms | vs floor |", "| --- | --- | --- | --- | --- |"]
