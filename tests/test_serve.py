@@ -17,6 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from reference import drafting_chat_model as chat_model
+from reference import users_env
 
 import s3d_jax
 from s3d_jax import checkpoint
@@ -379,7 +380,7 @@ def test_bundled_model_served_concurrently_equals_plain_greedy_alone():
     covers it)."""
     chats = ["What is the capital of France?", "Write a Python function that returns the n-th Fibonacci number.",
              "Give me three tips for sleeping better.", "Explain what a hash table is, briefly."]
-    process, url = start_server(None, "--max-batch", "4", "--max-len", "128", env={"S3D_JAX_CALIBRATE": "0"})  # fits each chat, reply
+    process, url = start_server(None, "--max-batch", "4", "--max-len", "128", env=users_env(S3D_JAX_CALIBRATE="0"))  # fits each chat, reply
     try:
         c, name = client(url), client(url).models.list().data[0].id
 
