@@ -57,7 +57,7 @@ CONTEXT = 256  # cache positions filled while timing: a typical chat turn
 # lie outside the shipped drafter's 8,192.
 OUTSIDE_DRAFT_VOCAB = 8
 ROUNDS = 4  # timed runs of each pass, interleaved with the others'; a pass costs its fastest
-MIN_RUN_MS = 50  # the shortest timed run: its loop holds about this long's passes, and runs again until it has lasted this long
+MIN_RUN_MS = 50  # the shortest timed run: its loop holds the passes that fill it, and runs again until it has lasted this long
 BUSY_CORES = 0.25  # other processes' average use of this process's cores while calibrating, above which the costs are marked busy
 BUSY_RATIO = 1.3  # where that use cannot be read: the plain step's fastest and slowest rounds differing by more
 ENV_TRIES = "S3D_JAX_CALIBRATE_TRIES"
@@ -85,9 +85,10 @@ def pass_timer(model, pass_fn, context: int = 256, repeats: int = 1, rows: int =
     fn, _ = compile_ahead(jax.jit(loop, static_argnames="few_row_kernel"), model.params, cache, one, few_row_passes=few_rows)
     start = time.perf_counter()
     jax.block_until_ready(fn(model.params, cache, one))  # warm up
-    # A pass of a large tree costs many steps (at a test run's optimisation level, a second): its
-    # run holds a few passes, a quick pass's many.
-    passes = jnp.int32(max(repeats, math.ceil(MIN_RUN_MS / max((time.perf_counter() - start) * 1e3, 1e-3))))
+    # A pass of a large tree costs several steps (at a test run's optimisation level, half a second):
+    # its run holds a few passes, a quick pass's many.
+    count = max(repeats, math.ceil(MIN_RUN_MS / max((time.perf_counter() - start) * 1e3, 1e-3)))
+    passes = jnp.int32(count)
 
     def timed() -> float:
         # The loop runs again until MIN_RUN_MS have passed: the warm-up pass may have been slow, and
@@ -97,7 +98,7 @@ def pass_timer(model, pass_fn, context: int = 256, repeats: int = 1, rows: int =
         while (elapsed := time.perf_counter() - start) * 1e3 < MIN_RUN_MS or runs == 0:
             jax.block_until_ready(fn(model.params, cache, passes))
             runs += 1
-        return elapsed / (runs * int(passes)) * 1e3
+        return elapsed / (runs * count) * 1e3
 
     return timed
 
