@@ -60,8 +60,8 @@ def records(workdir, split):
 def trained(tmp_path_factory):
     """One short run that overfits a single batch, shared by several tests. The head trains too: a
     random model's frozen head cannot make a peaked distribution whatever the layers do."""
-    cfg = tiny_config(**{"data.max_conversations": 4, "train.steps": 30, "train.lr": 1e-2, "train.eval_every": 30,
-                         "train.checkpoint_every": 30, "train.log_every": 1, "s3d.train_head": True})
+    cfg = tiny_config(**{"data.max_conversations": 4, "train.steps": 12, "train.lr": 1e-2, "train.eval_every": 12,
+                         "train.checkpoint_every": 12, "train.log_every": 1, "s3d.train_head": True})
     workdir = tmp_path_factory.mktemp("overfit")
     out = train(cfg, workdir, progress=False)
     return cfg, workdir, out
@@ -99,7 +99,7 @@ def test_trained_model_decodes_with_its_recorded_defaults(trained):
 
 @pytest.mark.needs("bundled_model", "mt_bench")
 def test_resume_after_kill_equals_uninterrupted_run(tmp_path):
-    overrides = {"train.steps": 24, "train.checkpoint_every": 4, "train.eval_every": 1000, "data.max_conversations": 60}
+    overrides = {"train.steps": 12, "train.checkpoint_every": 3, "train.eval_every": 1000, "data.max_conversations": 60}
     reference = train(tiny_config(**overrides), tmp_path / "reference", progress=False)
 
     workdir = tmp_path / "killed"
@@ -107,7 +107,7 @@ def test_resume_after_kill_equals_uninterrupted_run(tmp_path):
     command = [sys.executable, "-m", "s3d_jax.train", "--config", str(ROOT / "configs" / "tiny.py"), "--workdir", str(workdir), *args]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while not (workdir / "checkpoints" / "8").exists() and proc.poll() is None and time.time() < deadline:
+    while not (workdir / "checkpoints" / "6").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -117,14 +117,14 @@ def test_resume_after_kill_equals_uninterrupted_run(tmp_path):
 
     resumed = train(tiny_config(**overrides), workdir, progress=False)
     after = records(workdir, "train")
-    assert [r["step"] for r in after] == list(range(1, 25)), "each step once: those after the checkpoint are replaced"
-    assert [r["data_position"] for r in after] == list(range(24)), "the resumed run continues the data stream exactly"
+    assert [r["step"] for r in after] == list(range(1, 13)), "each step once: those after the checkpoint are replaced"
+    assert [r["data_position"] for r in after] == list(range(12)), "the resumed run continues the data stream exactly"
     # The learning curve's axis: tokens seen, counted again from the data stream on resume.
     seen = [r["tokens_seen"] for r in after]
     assert seen == [r["tokens_seen"] for r in records(tmp_path / "reference", "train")] and seen == sorted(set(seen))
     redone = [r["step"] for r in whole_records(workdir / "metrics.discarded.jsonl") if r["split"] == "train"]
     resumed_from = redone[0] - 1 if redone else killed_at  # the newest checkpoint
-    assert resumed_from % 4 == 0 and redone == list(range(resumed_from + 1, killed_at + 1))
+    assert resumed_from % 3 == 0 and redone == list(range(resumed_from + 1, killed_at + 1))
     ref, got = leaves(s3d_jax.load(reference).params), leaves(s3d_jax.load(resumed).params)
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
