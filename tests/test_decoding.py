@@ -353,7 +353,7 @@ def test_decode_loop_keeps_few_row_dots_off_ynnpack(model):
 
 
 def test_decode_loop_runs_its_projections_in_the_few_row_kernel(model):
-    """The loop's passes (1 to γ+1 rows) use `few_rows.cc`, and so does the prompt pass's one-row head;
+    """The loop's passes (1 to γ+1 rows) use the few-row kernel (`s3d_jax/kernel/cc/`), and so does the prompt pass's one-row head;
     a product of more than `dispatch.MAX_ROWS` rows keeps XLA's dot."""
     if not ffi.available():
         pytest.skip("no few-row kernel here (not built, or switched off)")

@@ -1,4 +1,4 @@
-"""The few-row CPU kernel (`s3d_jax/kernel/few_rows.cc`) against numpy, where `dispatch.matmul` uses it, and
+"""The few-row CPU kernel (`s3d_jax/kernel/cc/`) against numpy, where `dispatch.matmul` uses it, and
 its cache, settings and threads."""
 
 import os

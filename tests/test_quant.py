@@ -120,7 +120,7 @@ def test_more_rows_and_gradients_use_the_dequantized_weight(fmt):
 
 
 def int8_activation_product(x, q):
-    """The product that int8 activations define (few_rows.cc, `Int8Rows`), in float64: each row's x
+    """The product that int8 activations define (kernel/cc/int8_rows.h, `Int8Rows`), in float64: each row's x
     quantized per block of 16 to round(x * 127 / max|x|), integer sums of codes, then the block's scales."""
     values = np.asarray(q["values"])
     codes = (quant.unpack_nibbles(values, 1) if values.dtype == np.uint8 else values).astype(np.int64)  # [K, N]

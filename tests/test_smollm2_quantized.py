@@ -45,7 +45,7 @@ def test_bfloat16_with_the_shipped_drafter_is_exact(smollm2_dir):
 
 
 def test_int4_with_int8_activations_is_exact():
-    """int8 activations round each row's input to a product (few_rows.cc, `Int8Rows`): a verify pass's
+    """int8 activations round each row's input to a product (kernel/cc/int8_rows.h, `Int8Rows`): a verify pass's
     rows equal one-token steps bit for bit, so a last-bit difference never becomes a rounding step, and
     S3D with a tree and the context branch reproduces plain greedy at that precision too."""
     model = drafter.apply(s3d_jax.load(dtype="int4", activations="int8"), bundled.DRAFTER)

@@ -93,7 +93,7 @@ def test_every_node_sees_exactly_its_path(model, size):
 @pytest.mark.parametrize("size", [5, 12])
 def test_every_node_s_logits_equal_plain_steps_bit_for_bit(size):
     """A node's verifier logits are those of one-token steps over its root-to-node path, to the last bit:
-    its ancestors in the block are summed where the steps find them, in the cache (few_rows.cc,
+    its ancestors in the block are summed where the steps find them, in the cache (kernel/cc/attention.cc,
     `Ancestors`). Rounded activations (int8, 16-bit) then keep S3D exact. Heads of 32: the kernel's attention."""
     model = tiny_model(seed=1, hidden_size=64, intermediate_size=96, num_heads=2, num_kv_heads=1, head_dim=32)
     config = model.config

@@ -1,7 +1,8 @@
-"""Building `few_rows.cc` with the machine's C++ compiler on first use (`-march=native`; a line on
-stderr says so and how long it took) into `<cache root>/kernels/`, keyed on everything the binary
-depends on, and checked against its recorded digest before every load: a truncated or foreign file is
-rebuilt. The helper threads' settings are read here too (docs/cpu.md):
+"""Building the kernel's C++ files (`cc/`) with the machine's C++ compiler on first use
+(`-march=native`; a line on stderr says so and how long it took), side by side on the usable cores,
+into one library in `<cache root>/kernels/`, keyed on everything the binary depends on, and checked
+against its recorded digest before every load: a truncated or foreign file is rebuilt. The helper
+threads' settings are read here too (docs/cpu.md):
 - `S3D_JAX_FEW_ROW_THREADS`: the threads sharing a product, read once per process; by default the
   CPUs this process may run on, at most 8 (more add no bandwidth).
 - `S3D_JAX_FEW_ROW_SPIN_US`: how long a helper thread spins after a product before it sleeps, read
@@ -10,12 +11,14 @@ rebuilt. The helper threads' settings are read here too (docs/cpu.md):
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,8 +28,8 @@ import jaxlib
 from s3d_jax.paths import cache_root
 from s3d_jax.settings import env_setting, usable_cores
 
-SOURCE = Path(__file__).with_name("few_rows.cc")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++20", "-shared", "-fPIC"]
+SOURCES = Path(__file__).with_name("cc")  # its .cc files, each compiled alone, and the headers they share
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++20", "-fPIC"]
 ENV_THREADS = "S3D_JAX_FEW_ROW_THREADS"
 ENV_SPIN = "S3D_JAX_FEW_ROW_SPIN_US"
 DEFAULT_MAX_THREADS = 8
@@ -58,11 +61,12 @@ def _compiler_version() -> str:
 
 @functools.cache
 def build_id() -> str:
-    """What the binary depends on, hashed: this source, built by this compiler for this CPU and this jaxlib.
+    """What the binary depends on, hashed: these sources, built by this compiler for this CPU and this jaxlib.
     Pass costs measured with one build are measured again with another (`calibration`)."""
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else platform.processor()
     cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), cpu)
-    parts = [SOURCE.read_text(), " ".join(FLAGS), jaxlib.__version__, _compiler_version(), platform.machine(), cpu_flags]
+    sources = [f"{p.name}\n{p.read_text()}" for p in sorted(SOURCES.iterdir()) if p.suffix in (".cc", ".h")]
+    parts = [*sources, " ".join(FLAGS), jaxlib.__version__, _compiler_version(), platform.machine(), cpu_flags]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -98,18 +102,29 @@ def _write_durably(path: Path, data: bytes | None = None) -> None:
         os.fsync(f.fileno())
 
 
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"`{' '.join(command)}` failed:\n{result.stderr[-2000:]}")
+
+
 def build(path: Path) -> None:
-    """Compiles the kernel to `path` and records its digest beside it. Both are written under
+    """Compiles the kernel's files, as many at a time as this process has cores (about 40 s of one
+    core in all), links them to `path` and records its digest beside it. Both are written under
     temporary names, synced, then renamed, so a crash or a concurrent first use leaves no short
     file; a digest that does not match (a crash between the renames) only causes a rebuild."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    command = [*_compiler(), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
+    sources = sorted(SOURCES.glob("*.cc"))
     notice(f"building the few-row CPU kernel for this machine (once), into {path.parent}")
     start = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
-        raise RuntimeError(f"`{' '.join(command)}` failed:\n{result.stderr[-2000:]}")
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        objects = [str(Path(scratch) / f"{source.stem}.o") for source in sources]
+        compiles = [[*_compiler(), *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(source), "-o", obj]
+                    for source, obj in zip(sources, objects)]
+        with concurrent.futures.ThreadPoolExecutor(min(len(compiles), usable_cores())) as pool:
+            list(pool.map(_run, compiles))  # the first failure, with its compiler's message
+        _run([*_compiler(), "-shared", *objects, "-o", str(tmp)])
     _write_durably(tmp)
     digest_tmp = _digest_path(tmp)
     _write_durably(digest_tmp, _digest(tmp).encode())

@@ -98,7 +98,7 @@ def entry(stack, at):
 
 
 def _at(at):
-    """Entries as the kernel reads them (`Entry` in few_rows.cc): one, or one per weight of a product."""
+    """Entries as the kernel reads them (`Entry` in cc/few_rows.h): one, or one per weight of a product."""
     return jnp.asarray(at, jnp.int32) if not isinstance(at, tuple) else jnp.stack([jnp.asarray(a, jnp.int32) for a in at])
 
 
@@ -139,7 +139,7 @@ def _product_jvp(primals, tangents):
 def quantized_product(x_MK, w, at, beside=(), int8_activations=False):
     """`product` with entry `at[0]` of a stack of quantized weights `[L, K, N]` (`quant`), and
     `x @ b[at[i + 1]]` for each float stack b of `beside`, in one call. With `int8_activations`, the
-    product quantizes x per row and block of 16 and sums integers (few_rows.cc, `Int8Rows`); its
+    product quantizes x per row and block of 16 and sums integers (cc/int8_rows.h, `Int8Rows`); its
     tangents are the float product's."""
     four_bits = quant.bits_of(w) == 4
     call = jax.ffi.ffi_call(TARGET_INT4 if four_bits else TARGET_INT8, _results(x_MK, (w["values"], *beside)),
