@@ -1,5 +1,5 @@
 // y = x @ w for a few rows of x (a decode pass: 1 to 16 tokens) against a large row-major weight,
-// a pass's attention over the KV cache (`CacheScores`, `CacheValues`, at the end), the draft head's
+// a pass's attention over the KV cache (`CacheAttention`), the draft head's
 // context columns (`ContextLogits`) and a 16-bit table's token columns (`TableColumns`), as XLA FFI
 // handlers for the CPU (s3d_jax/kernel/ builds and registers them). The weight is float32,
 // bfloat16, float16, int8 in groups of 32 or 16 rows with one float32 scale (and optional minimum)
