@@ -16,11 +16,11 @@ from hf_models import REPO, random_hf_model  # skips this file where torch is no
 from reference import one_tensor_gguf
 
 import s3d_jax
-from s3d_jax import checkpoint
+from s3d_jax import bundled, checkpoint
 from s3d_jax.checkpoint import CheckpointError
 from s3d_jax.config import ConfigError, ModelConfig
 from s3d_jax.convert import convert, main, readers
-from s3d_jax.convert.gguf_file import check_header
+from s3d_jax.convert.gguf_file import read_header
 
 # --------------------------------------------------------------------------------------------
 # Bad inputs: each names the problem.
@@ -179,15 +179,18 @@ def test_corrupt_gguf(tmp_path):
 
 def sample_gguf(path: Path) -> bytes:
     """A small llama GGUF with each kind of header field: scalar, string and array metadata, an explicit
-    alignment, and two tensors."""
+    alignment, and four tensors (two with names of equal length)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
     writer.add_uint32("general.alignment", 32)
     writer.add_array("test.words", ["one", "two"])
+    writer.add_uint32("test.other", 1)
     writer.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))
     writer.add_tensor("output.weight", np.ones((4, 32), np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", np.ones((32, 32), np.float32))
+    writer.add_tensor("blk.0.attn_k.weight", np.ones((32, 32), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -216,6 +219,8 @@ GGUF_CORRUPTIONS = [
     ("array item type", after(b"test.words", 4), (77).to_bytes(4, "little"), "is an array of the unknown value type 77"),
     ("array length", after(b"test.words", 8), U64_MAX, "metadata 'test.words''s array length is"),
     ("array item length", after(b"test.words", 16), U64_MAX, "metadata 'test.words'[0]'s length is"),
+    ("string not UTF-8", after(b"test.words", 24), b"\xff", "metadata 'test.words'[0] is not UTF-8 (invalid start byte at byte "),
+    ("key given twice", lambda d: d.index(b"test.other"), b"test.words", "metadata 'test.words' is given twice"),
     ("alignment", after(b"general.alignment", 4), (3).to_bytes(4, "little"), "metadata 'general.alignment' is 3, not a power of two"),
     ("tensor name length", before(b"token_embd.weight"), U64_MAX, "tensor 0 name's length is"),
     ("dimension count", after(b"token_embd.weight"), (9).to_bytes(4, "little"), "dimension count is 9, not 1 to 4"),
@@ -224,6 +229,8 @@ GGUF_CORRUPTIONS = [
     ("misaligned offset", after(b"output.weight", 24), (1).to_bytes(8, "little"), "offset is 1, not a multiple of the alignment 32"),
     ("overlapping offset", after(b"output.weight", 24), (0).to_bytes(8, "little"), "offset is 0, inside the data of tensor 0"),
     ("offset past the end", after(b"output.weight", 24), (1 << 40).to_bytes(8, "little"), "offset is 1099511627776, past the end"),
+    ("tensor given twice", lambda d: d.index(b"blk.0.attn_k.weight"), b"blk.0.attn_q.weight",
+     "tensor 3 ('blk.0.attn_q.weight') is given twice"),
 ]
 
 
@@ -248,9 +255,22 @@ def test_a_lying_tensor_count_on_the_command_line_is_one_clear_error(tmp_path, c
     assert err.startswith("error: ") and "the tensor count is 18446744073709551615" in err and "Traceback" not in err
 
 
-def test_a_good_gguf_passes_the_header_check(tmp_path):
-    sample_gguf(tmp_path / "good.gguf")
-    check_header(tmp_path / "good.gguf")  # raises on any field it doubts
+@pytest.mark.parametrize("which", ["sample", pytest.param("bundled", marks=pytest.mark.needs("bundled_model"))])
+def test_the_header_reads_as_the_gguf_package_reads_it(which, tmp_path):
+    """Every metadata value (the bundled model's 49k-token vocabulary and merges included) and every
+    tensor's type, shape and data, as gguf's own reader gives them."""
+    import gguf
+
+    path = tmp_path / "good.gguf" if which == "sample" else bundled.gguf_path()
+    if which == "sample":
+        sample_gguf(path)
+    header, reader = read_header(path), gguf.GGUFReader(str(path))
+    assert header.metadata == {key: f.contents() for key, f in reader.fields.items() if not key.startswith("GGUF.")}
+    assert list(header.tensors) == [t.name for t in reader.tensors]
+    for t in reader.tensors:
+        ours = header.tensors[t.name]
+        assert (ours.tensor_type, ours.shape, ours.data_offset) == (t.tensor_type, tuple(t.shape.tolist()), t.data_offset)
+        assert (ours.array_shape, ours.array_dtype) == (t.data.shape, t.data.dtype)
 
 
 def test_non_llama_gguf(tmp_path):

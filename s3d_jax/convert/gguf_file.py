@@ -15,6 +15,7 @@ head_dim**-0.5, except the 27B models (46 and 62 layers), which use (hidden / he
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import struct
@@ -63,15 +64,10 @@ def read_gguf(path: Path, keep_groups: bool = False) -> HFSource:
     copy), else every tensor dequantized to float32."""
     import gguf  # ~0.25 s to import; only GGUF sources need it
 
-    check_header(path)
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # what the header check cannot see: a key that is not UTF-8, a name given twice
-        raise CheckpointError(f"cannot read {path} as a GGUF file: {type(e).__name__}: {e}") from None
+    header = read_header(path)
 
     def field(key: str, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
+        return header.metadata.get(key, default)
 
     arch = field("general.architecture")
     if arch not in MODEL_TYPES:
@@ -79,7 +75,7 @@ def read_gguf(path: Path, keep_groups: bool = False) -> HFSource:
     if field(f"{arch}.expert_count", 0):
         raise ConfigError(f"unsupported GGUF {path}: mixture-of-experts ({arch}.expert_count) is not implemented")
     tokens = field("tokenizer.ggml.tokens")
-    names = {t.name: t for t in reader.tensors}
+    names = header.tensors
     if "rope_freqs.weight" in names:
         raise ConfigError(
             f"unsupported GGUF {path}: rope_freqs.weight (Llama-3.1-style RoPE scaling as per-frequency factors) "
@@ -135,11 +131,7 @@ def read_gguf(path: Path, keep_groups: bool = False) -> HFSource:
             raise CheckpointError(f"{path} lacks the metadata for {key}")
 
     hf_names = {hf_name(n, arch): n for n in names}
-    # The reader holds each vocabulary entry and merge as objects of its own (some 400 MB for a 150k
-    # vocabulary): the tokenizer takes their values, and the fields go before any weight is read.
-    vocabulary = {key: field(key) for key in reader.fields if key.startswith("tokenizer.")}
-    for key in vocabulary:
-        del reader.fields[key]
+    vocabulary = {key: value for key, value in header.metadata.items() if key.startswith("tokenizer.")}
 
     def load(name: str, rows: slice) -> np.ndarray | GroupedTensor:
         t = names[hf_names[name]]
@@ -181,14 +173,14 @@ def kept_format(tensor_type: str) -> quant.Format | None:
     return None if kept is None else quant.Format.parse(kept[0])
 
 
-def _read_data(path: Path, t, rows: slice) -> np.ndarray:
-    """`t.data[rows]` (a tensor's rows, in the reader's type and shape), read from the file rather than
-    through the reader's memory map: every page of the map that is read stays resident, the whole
-    file by the end of a conversion, where a read copy goes with the tensor."""
-    start, stop, _ = rows.indices(t.data.shape[0])
-    row = math.prod(t.data.shape[1:])
-    offset = int(t.data_offset) + start * row * t.data.dtype.itemsize
-    return np.fromfile(path, dtype=t.data.dtype, count=(stop - start) * row, offset=offset).reshape(stop - start, *t.data.shape[1:])
+def _read_data(path: Path, t: GGUFTensor, rows: slice) -> np.ndarray:
+    """A tensor's rows, in the type and shape gguf's dequantization takes, read from the file rather
+    than through a memory map: every page of a map that is read stays resident, the whole file by the
+    end of a conversion, where a read copy goes with the tensor."""
+    start, stop, _ = rows.indices(t.array_shape[0])
+    row = math.prod(t.array_shape[1:])
+    offset = t.data_offset + start * row * t.array_dtype.itemsize
+    return np.fromfile(path, dtype=t.array_dtype, count=(stop - start) * row, offset=offset).reshape(stop - start, *t.array_shape[1:])
 
 
 def grouped(t, data: np.ndarray) -> GroupedTensor:
@@ -286,10 +278,28 @@ def _tokenizer(architecture: str, metadata: dict, path: Path):
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file as its header describes it."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order: innermost dimension first
+    data_offset: int  # from the start of the file
+    array_shape: tuple[int, ...]  # as gguf's dequantization takes it: rows of blocks' bytes for block types
+    array_dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFHeader:
+    metadata: dict  # key -> str, int, float, bool, or a list of them
+    tensors: dict[str, GGUFTensor]
+
+
 class _Header:
     """A cursor over a GGUF file's header that checks each count, length, offset and shape it reads
-    against the file's size before anything uses it: the gguf package trusts them, and a lying count
-    becomes an OverflowError or an allocation of exabytes deep inside numpy."""
+    against the file's size before anything uses it: a lying count would otherwise become an
+    allocation of exabytes deep inside numpy."""
 
     MIN_KV_BYTES = 8 + 4 + 1  # a key's length, its value's type, a one-byte value
     MIN_TENSOR_BYTES = 8 + 4 + 8 + 4 + 8  # a name's length, the dimension count, one dimension, the type, the offset
@@ -316,27 +326,29 @@ class _Header:
             self.fail(field, f"is {n}, more than the {self.size - self.at} bytes left could hold")
         return n
 
-    def string(self, field: str) -> bytes:
+    def string(self, field: str) -> str:
         n = self.count(f"{field}'s length", 1)
         self.at += n
-        return bytes(self.data[self.at - n : self.at])
+        try:
+            return str(self.data[self.at - n : self.at], "utf-8")
+        except UnicodeDecodeError as e:
+            self.fail(field, f"is not UTF-8 ({e.reason} at byte {self.at - n + e.start})")
 
     def value(self, kind: int, field: str):
-        """Reads (or skips) one metadata value; returns it only where the header's own walk needs it."""
+        """One metadata value: a str, int, float or bool, or a list of them (or of lists)."""
         if kind == _STRING:
             return self.string(field)
         if kind == _ARRAY:
             item = self.take("I", f"{field}'s item type")
             if item not in _SCALARS and item not in (_STRING, _ARRAY):
                 self.fail(field, f"is an array of the unknown value type {item}")
-            width = struct.calcsize("<" + _SCALARS[item]) if item in _SCALARS else None
-            n = self.count(f"{field}'s array length", width or 8)
-            if width:
-                self.at += n * width
-            else:
-                for i in range(n):
-                    self.value(item, f"{field}[{i}]")
-            return None
+            if item in _SCALARS:  # read whole: a vocabulary's scores are 150k of them
+                dtype = np.dtype("<" + _SCALARS[item])
+                n = self.count(f"{field}'s array length", dtype.itemsize)
+                self.at += n * dtype.itemsize
+                return np.frombuffer(self.data, dtype, n, self.at - n * dtype.itemsize).tolist()
+            n = self.count(f"{field}'s array length", 8)
+            return [self.value(item, f"{field}[{i}]") for i in range(n)]
         if kind not in _SCALARS:
             self.fail(field, f"has the unknown value type {kind}")
         return self.take(_SCALARS[kind], field)
@@ -345,12 +357,15 @@ class _Header:
 # GGUF's metadata value types (the spec's numbering): struct formats of the scalars, and the two others.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+# The element types of GGUF's unblocked tensor types; every other type is read as its blocks' bytes.
+_ELEMENT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                  "I32": np.int32, "I64": np.int64}
 
 
-def check_header(path: Path) -> None:
-    """Checks a GGUF file's header against the file before the gguf package reads it: the magic and
-    version, the tensor and metadata counts, every string and array length, the alignment, and each
-    tensor's dimensions, type and data range. Raises CheckpointError naming the field and the file."""
+def read_header(path: Path) -> GGUFHeader:
+    """A GGUF file's metadata and tensor descriptions, each count, length, offset and shape checked
+    against the file as it is read (GGUF versions 2 and 3, little-endian). Raises CheckpointError
+    naming the field and the file. It reads only the header: the weights are read tensor by tensor."""
     import mmap
 
     import gguf
@@ -365,38 +380,44 @@ def check_header(path: Path) -> None:
             version = h.take("I", "the version")
             if version not in (2, 3):
                 h.fail("the version", f"is {version}; GGUF versions 2 and 3 are read")
-            tensors = h.count("the tensor count", h.MIN_TENSOR_BYTES)
+            tensor_count = h.count("the tensor count", h.MIN_TENSOR_BYTES)
             kvs = h.count("the metadata count", h.MIN_KV_BYTES)
-            alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+            metadata = {}
             for i in range(kvs):
                 key = h.string(f"metadata key {i}")
-                name = f"metadata {key.decode(errors='replace')!r}"
+                name = f"metadata {key!r}"
                 value = h.value(h.take("I", f"{name}'s type"), name)
-                if key == b"general.alignment":
-                    if not isinstance(value, int) or value < 1 or value & (value - 1):
-                        h.fail(name, f"is {value!r}, not a power of two")
-                    alignment = value
-            spans = []
-            for i in range(tensors):
-                name = f"tensor {i} ({h.string(f'tensor {i} name').decode(errors='replace')!r})"
+                if key in metadata:
+                    h.fail(name, "is given twice")
+                metadata[key] = value
+            alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+            if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1 or alignment & (alignment - 1):
+                h.fail("metadata 'general.alignment'", f"is {alignment!r}, not a power of two")
+            described, seen = [], set()
+            for i in range(tensor_count):
+                tensor = h.string(f"tensor {i} name")
+                name = f"tensor {i} ({tensor!r})"
                 dims = h.take("I", f"{name}'s dimension count")
                 if not 1 <= dims <= h.MAX_DIMS:
                     h.fail(f"{name}'s dimension count", f"is {dims}, not 1 to {h.MAX_DIMS}")
-                shape = [h.take("Q", f"{name}'s dimension {d}") for d in range(dims)]
+                shape = tuple(h.take("Q", f"{name}'s dimension {d}") for d in range(dims))
                 kind = h.take("I", f"{name}'s type")
                 if kind not in gguf.GGMLQuantizationType._value2member_map_:
                     h.fail(f"{name}'s type", f"is the unknown tensor type {kind}")
-                block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
-                elements = int(np.prod(shape, dtype=object))
+                kind = gguf.GGMLQuantizationType(kind)
+                block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+                elements = math.prod(shape)
                 if min(shape) < 1 or shape[0] % block or elements // block * block_bytes >= 1 << 63:  # llama.cpp's bound
-                    h.fail(f"{name}'s shape", f"is {shape}, not whole {gguf.GGMLQuantizationType(kind).name} blocks of {block} "
-                           "below 2**63 bytes")
+                    h.fail(f"{name}'s shape", f"is {list(shape)}, not whole {kind.name} blocks of {block} below 2**63 bytes")
                 offset = h.take("Q", f"{name}'s offset")
                 if offset % alignment:
                     h.fail(f"{name}'s offset", f"is {offset}, not a multiple of the alignment {alignment}")
-                spans.append((offset, offset + elements // block * block_bytes, name))
+                if tensor in seen:
+                    h.fail(name, "is given twice")
+                seen.add(tensor)
+                described.append((tensor, kind, shape, offset, elements // block * block_bytes, name))
             start = h.at + (-h.at % alignment)
-            spans.sort()
+            spans = sorted((offset, offset + size, name) for _, _, _, offset, size, name in described)
             for (_, end, first), (offset, _, second) in zip(spans, spans[1:]):
                 if offset < end:
                     h.fail(f"{second}'s offset", f"is {offset}, inside the data of {first}")
@@ -405,3 +426,9 @@ def check_header(path: Path) -> None:
                 if spans and start + spans[-1][0] >= h.size:
                     h.fail(f"{spans[-1][2]}'s offset", f"is {spans[-1][0]}, past the end of the file's data")
                 raise CheckpointError(f"{path} is truncated: its header describes {start + end} bytes, the file has {h.size}")
+    tensors = {}
+    for tensor, kind, shape, offset, _, _ in described:
+        dtype = _ELEMENT_TYPES.get(kind.name)
+        array_shape = shape[::-1] if dtype else gguf.quants.quant_shape_to_byte_shape(shape[::-1], kind)
+        tensors[tensor] = GGUFTensor(tensor, kind, shape, start + offset, tuple(array_shape), np.dtype(dtype or np.uint8))
+    return GGUFHeader(metadata, tensors)
