@@ -1,6 +1,7 @@
 """The cache, the decode loop and speculative decoding on random models (CPU, float32)."""
 
 import dataclasses
+import itertools
 import os
 
 import jax
@@ -194,19 +195,35 @@ def test_greedy_argmax_picks_the_first_of_equal_maxima_as_jnp_argmax_does():
 # ------------------------------------------------------------------ sampling
 
 
-def _target_joint(model, prompt, sampling, depth=3):
+SAMPLING_PROMPT = [1, 3, 2]
+
+
+@pytest.fixture(scope="module")
+def sampling_model():
+    """A tiny model of 5 tokens and a mask row with sharply different probabilities, and its last
+    logits after the prompt and after every continuation of up to 2 tokens, {continuation: logits}:
+    one forward pass per length, shared by every case."""
+    model = tiny_model(seed=7, scale=10.0, vocab_size=6, mask_token_id=5)
+    tokens = [t for t in range(model.config.vocab_size) if t != model.config.mask_token_id]
+    last = {}
+    for depth in range(3):
+        prefixes = list(itertools.product(tokens, repeat=depth))
+        logits = s3d_jax.logits(model, np.asarray([SAMPLING_PROMPT + list(p) for p in prefixes]))[:, -1]
+        last.update(zip(prefixes, np.asarray(logits)))
+    return model, last
+
+
+def _target_joint(model, last, sampling, depth=3):
     """Exact distribution of the first `depth` sampled tokens under the target model."""
     from s3d_jax.model import NEG_INF
     from s3d_jax.sampling import log_probs
 
-    V = model.config.vocab_size
+    prefixes = list(last)
+    logits = jnp.asarray(np.stack([last[p] for p in prefixes])).at[:, model.config.mask_token_id].set(NEG_INF)
+    probs = dict(zip(prefixes, np.exp(np.asarray(log_probs(logits, sampling), np.float64))))
     joint = {(): 1.0}
     for _ in range(depth):
-        prefixes = list(joint)
-        seqs = np.asarray([prompt + list(p) for p in prefixes])
-        logits = s3d_jax.logits(model, seqs)[:, -1].at[:, model.config.mask_token_id].set(NEG_INF)
-        probs = np.exp(np.asarray(log_probs(logits, sampling), np.float64))
-        joint = {p + (t,): joint[p] * probs[i, t] for i, p in enumerate(prefixes) for t in range(V) if probs[i, t] > 0}
+        joint = {p + (t,): q * probs[p][t] for p, q in joint.items() for t in range(len(probs[p])) if probs[p][t] > 0}
     return joint
 
 
@@ -224,21 +241,20 @@ def _target_joint(model, prompt, sampling, depth=3):
         ("s3d", dict(temperature=0.7, top_p=0.9, tree=3, min_certainty=0.6), None),
     ],
 )
-def test_speculative_sampling_is_lossless(monkeypatch, method, sampling, candidates):
+def test_speculative_sampling_is_lossless(monkeypatch, sampling_model, method, sampling, candidates):
     """The first generated tokens follow the target model's distribution (chi-squared, fixed seed),
     for the chain's rejection rule and for a tree's sample-and-match rule, with the context branch
     (the default with a tree) and without."""
     scipy_stats = pytest.importorskip("scipy.stats")
     if candidates:
         monkeypatch.setattr(s3d_jax.sampling, "NUCLEUS_CANDIDATES", candidates)
-    model = tiny_model(seed=7, scale=10.0, vocab_size=6, mask_token_id=5)
-    prompt = [1, 3, 2]
+    model, last = sampling_model
     n = 6000
     # A cache of 16 positions holds the prompt, the 3 tokens and any draft block: the default 128 cost
     # these 6,000 rows a third of their time in attention over empty slots.
-    out = s3d_jax.decode(model, [prompt] * n, method=method, gamma=2, skip=(2, 3), max_new_tokens=3, eos_token_ids=(), seed=11, max_len=16,
-                         **sampling)
-    target = _target_joint(model, prompt, Sampling(**{k: v for k, v in sampling.items() if k not in ("tree", "lookup", "min_certainty")}))
+    out = s3d_jax.decode(model, [SAMPLING_PROMPT] * n, method=method, gamma=2, skip=(2, 3), max_new_tokens=3, eos_token_ids=(), seed=11,
+                         max_len=16, **sampling)
+    target = _target_joint(model, last, Sampling(**{k: v for k, v in sampling.items() if k not in ("tree", "lookup", "min_certainty")}))
     counts = {}
     for row in out.tokens:
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1
