@@ -261,9 +261,10 @@ def test_the_header_reads_as_the_gguf_package_reads_it(which, tmp_path):
     tensor's type, shape and data, as gguf's own reader gives them."""
     import gguf
 
-    path = tmp_path / "good.gguf" if which == "sample" else bundled.gguf_path()
     if which == "sample":
-        sample_gguf(path)
+        sample_gguf(path := tmp_path / "good.gguf")
+    else:
+        path = bundled.gguf_path()
     header, reader = read_header(path), gguf.GGUFReader(str(path))
     assert header.metadata == {key: f.contents() for key, f in reader.fields.items() if not key.startswith("GGUF.")}
     assert list(header.tensors) == [t.name for t in reader.tensors]

@@ -345,8 +345,9 @@ class _Header:
             if item in _SCALARS:  # read whole: a vocabulary's scores are 150k of them
                 dtype = np.dtype("<" + _SCALARS[item])
                 n = self.count(f"{field}'s array length", dtype.itemsize)
+                values = np.frombuffer(self.data, dtype, n, self.at).tolist()
                 self.at += n * dtype.itemsize
-                return np.frombuffer(self.data, dtype, n, self.at - n * dtype.itemsize).tolist()
+                return values
             n = self.count(f"{field}'s array length", 8)
             return [self.value(item, f"{field}[{i}]") for i in range(n)]
         if kind not in _SCALARS:
@@ -393,7 +394,7 @@ def read_header(path: Path) -> GGUFHeader:
             alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
             if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1 or alignment & (alignment - 1):
                 h.fail("metadata 'general.alignment'", f"is {alignment!r}, not a power of two")
-            described, seen = [], set()
+            tensors, spans = {}, []  # offsets from the start of the data, until the header's end is known
             for i in range(tensor_count):
                 tensor = h.string(f"tensor {i} name")
                 name = f"tensor {i} ({tensor!r})"
@@ -412,12 +413,14 @@ def read_header(path: Path) -> GGUFHeader:
                 offset = h.take("Q", f"{name}'s offset")
                 if offset % alignment:
                     h.fail(f"{name}'s offset", f"is {offset}, not a multiple of the alignment {alignment}")
-                if tensor in seen:
+                if tensor in tensors:
                     h.fail(name, "is given twice")
-                seen.add(tensor)
-                described.append((tensor, kind, shape, offset, elements // block * block_bytes, name))
+                dtype = _ELEMENT_TYPES.get(kind.name)
+                array_shape = shape[::-1] if dtype else gguf.quants.quant_shape_to_byte_shape(shape[::-1], kind)
+                tensors[tensor] = GGUFTensor(tensor, kind, shape, offset, tuple(array_shape), np.dtype(dtype or np.uint8))
+                spans.append((offset, offset + elements // block * block_bytes, name))
             start = h.at + (-h.at % alignment)
-            spans = sorted((offset, offset + size, name) for _, _, _, offset, size, name in described)
+            spans.sort()
             for (_, end, first), (offset, _, second) in zip(spans, spans[1:]):
                 if offset < end:
                     h.fail(f"{second}'s offset", f"is {offset}, inside the data of {first}")
@@ -426,9 +429,4 @@ def read_header(path: Path) -> GGUFHeader:
                 if spans and start + spans[-1][0] >= h.size:
                     h.fail(f"{spans[-1][2]}'s offset", f"is {spans[-1][0]}, past the end of the file's data")
                 raise CheckpointError(f"{path} is truncated: its header describes {start + end} bytes, the file has {h.size}")
-    tensors = {}
-    for tensor, kind, shape, offset, _, _ in described:
-        dtype = _ELEMENT_TYPES.get(kind.name)
-        array_shape = shape[::-1] if dtype else gguf.quants.quant_shape_to_byte_shape(shape[::-1], kind)
-        tensors[tensor] = GGUFTensor(tensor, kind, shape, start + offset, tuple(array_shape), np.dtype(dtype or np.uint8))
-    return GGUFHeader(metadata, tensors)
+    return GGUFHeader(metadata, {n: dataclasses.replace(t, data_offset=start + t.data_offset) for n, t in tensors.items()})
